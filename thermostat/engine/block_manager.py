@@ -1,0 +1,221 @@
+"""Paged KV-cache block manager with prefix caching (vLLM v1 / nano-vllm style).
+
+The KV cache is split into ``num_blocks`` fixed-size blocks of ``block_size`` token slots. This
+module owns only block ids and bookkeeping, never tensors. Each request has a block table: token
+position ``p`` lives in ``table[p // block_size]``, slot ``p % block_size``.
+
+A full block whose tokens are all computed can be registered under a chained hash (its own tokens
+plus the hash of the block before it), so a later request with the same prefix can reuse it.
+Freed blocks keep their hash while they wait in the free queue; they are evicted (hash cleared)
+only when the allocator hands them out again, least recently freed first.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def hash_block_tokens(parent_hash: int | None, tokens: Sequence[int]) -> int:
+    """Chained hash of one FULL block: ``hash((parent_hash, tuple(tokens)))``."""
+    return hash((parent_hash, tuple(tokens)))
+
+
+def compute_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Hashes of every full block of ``token_ids``, chained from the first block.
+
+    A partial trailing block gets no hash.
+    """
+    hashes: list[int] = []
+    parent: int | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class Block:
+    """One KV-cache block: its id, how many request tables hold it, and its prefix-cache hash."""
+
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set once the block is full and registered in the prefix cache
+
+
+class BlockManager:
+    """Allocates KV-cache blocks to requests and shares full blocks through a prefix cache.
+
+    Invariants (checked by :meth:`check_integrity`):
+    - ``ref_count`` of a block == number of request tables that contain it (at most once each);
+    - the free queue holds exactly the blocks with ``ref_count == 0``, least recently freed first;
+    - ``_hash_to_block[h] == b`` iff ``blocks[b].hash == h`` (a hash names at most one block).
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
+        # Free queue, front = next to be handed out. OrderedDict gives O(1) removal on revival.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._hash_to_block: dict[int, int] = {}
+        self._tables: dict[str, list[int]] = {}
+        self.prefix_cache_queries = 0  # in blocks
+        self.prefix_cache_hits = 0  # in blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref_count 0, including cached-but-unreferenced (evictable) ones."""
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks with ref_count > 0."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def block_table(self, req_id: str) -> list[int]:
+        """A copy of the request's block table; ``[]`` for an unknown request."""
+        return list(self._tables.get(req_id, ()))
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` slots: ``ceil(num_tokens / block_size)``."""
+        return -(-num_tokens // self.block_size)
+
+    def lookup(self, block_hashes: list[int]) -> list[int]:
+        """Block ids of the longest cached prefix of ``block_hashes``. Changes no ref counts.
+
+        Returns ``[]`` when prefix caching is disabled (and then counts nothing).
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        for h in block_hashes:
+            block_id = self._hash_to_block.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        self.prefix_cache_queries += len(block_hashes)
+        self.prefix_cache_hits += len(hits)
+        return hits
+
+    def allocate(
+        self, req_id: str, num_tokens: int, computed_blocks: list[int] | None = None
+    ) -> bool:
+        """Make ``req_id``'s table cover ``num_tokens`` slots; False, changing nothing, if short.
+
+        ``computed_blocks`` (from :meth:`lookup`) are attached first and are only allowed while the
+        request has no blocks. Fresh blocks come from the front of the free queue; handing out a
+        block that still carries a hash evicts it from the prefix cache.
+        """
+        table = self._tables.get(req_id, [])
+        computed = computed_blocks or []
+        if computed:
+            if table:
+                raise ValueError(
+                    f"request {req_id!r} already has blocks; cannot attach cached ones"
+                )
+            if len(set(computed)) != len(computed):
+                raise ValueError("computed_blocks contains duplicates")
+            for b in computed:
+                if not 0 <= b < self.num_blocks or self.blocks[b].hash is None:
+                    raise ValueError(f"block {b} is not a cached block")
+        num_new = max(0, self.num_blocks_needed(num_tokens) - len(table) - len(computed))
+        # Reviving a cached free block takes it out of the free queue, so it is not available twice.
+        num_revived = sum(1 for b in computed if self.blocks[b].ref_count == 0)
+        if num_new > len(self._free) - num_revived:
+            return False  # nothing has been mutated yet: failure is atomic
+        for b in computed:
+            block = self.blocks[b]
+            if block.ref_count == 0:
+                del self._free[b]
+            block.ref_count += 1
+            table.append(b)
+        for _ in range(num_new):
+            b, _ = self._free.popitem(last=False)
+            block = self.blocks[b]
+            if block.hash is not None:  # evict: the slots are about to be overwritten
+                del self._hash_to_block[block.hash]
+                block.hash = None
+            block.ref_count = 1
+            table.append(b)
+        self._tables[req_id] = table
+        return True
+
+    def free(self, req_id: str) -> None:
+        """Release the request's blocks; an unknown id is a no-op.
+
+        Blocks reaching ref_count 0 join the end of the free queue in reverse table order, so a
+        sequence's tail is evicted before its head. They stay in the prefix cache until evicted.
+        """
+        for b in reversed(self._tables.pop(req_id, [])):
+            block = self.blocks[b]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[b] = None
+
+    def cache_blocks(self, req_id: str, block_hashes: list[int]) -> None:
+        """Register the request's first ``len(block_hashes)`` blocks in the prefix cache.
+
+        The caller passes hashes only for full, fully computed blocks. Already-hashed blocks are
+        skipped; if another block already holds a hash, that mapping wins and this block stays
+        unhashed. No-op when prefix caching is disabled.
+        """
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(req_id, [])
+        if len(block_hashes) > len(table):
+            raise ValueError(f"{len(block_hashes)} hashes for {len(table)} blocks of {req_id!r}")
+        for b, h in zip(table, block_hashes, strict=False):
+            block = self.blocks[b]
+            if block.hash is not None or h in self._hash_to_block:
+                continue
+            block.hash = h
+            self._hash_to_block[h] = b
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the hashes of all unreferenced blocks (referenced ones keep theirs)."""
+        for b in self._free:
+            block = self.blocks[b]
+            if block.hash is not None:
+                del self._hash_to_block[block.hash]
+                block.hash = None
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError naming the first broken invariant, if any."""
+
+        def require(cond: bool, msg: str) -> None:
+            if not cond:
+                raise AssertionError(msg)
+
+        require(len(self.blocks) == self.num_blocks, "block count: wrong number of blocks")
+        for i, block in enumerate(self.blocks):
+            require(block.block_id == i, f"block ids: position {i} holds block {block.block_id}")
+        refs: Counter[int] = Counter()
+        for req_id, table in self._tables.items():
+            require(len(set(table)) == len(table), f"tables: {req_id!r} holds a block twice")
+            require(all(0 <= b < self.num_blocks for b in table), f"tables: bad id in {req_id!r}")
+            refs.update(table)
+        for block in self.blocks:
+            b = block.block_id
+            msg = f"ref_count: block {b} has {block.ref_count}, tables hold it {refs[b]} times"
+            require(block.ref_count == refs[b], msg)
+        expected_free = {block.block_id for block in self.blocks if block.ref_count == 0}
+        require(set(self._free) == expected_free, "free queue: != blocks with ref_count 0")
+        for h, b in self._hash_to_block.items():
+            require(self.blocks[b].hash == h, f"hash map: {h} -> block {b} with another hash")
+        for block in self.blocks:
+            if block.hash is not None:
+                require(
+                    self._hash_to_block.get(block.hash) == block.block_id,
+                    f"hash map: hashed block {block.block_id} missing from the map",
+                )
+        require(self.enable_prefix_caching or not self._hash_to_block, "hash map: caching is off")
+        require(
+            self.num_free_blocks + len(refs) == self.num_blocks, "accounting: free + used != all"
+        )

@@ -1,0 +1,30 @@
+"""Engine settings, fixed at startup."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "demo"
+    dtype: str = "auto"  # auto (the checkpoint's) | float32 | bfloat16 | float16
+    kv_cache_dtype: str = "auto"  # auto (model dtype) | bfloat16 | float16 | float32 | fp8_e4m3
+    kv_cache_memory_gb: float = 1.0  # memory budget for K/V; sets the number of blocks
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 64  # running requests at once
+    max_num_batched_tokens: int = 1024  # token budget of one step (chunked prefill)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch intra-op threads; default: all cores
+
+    def __post_init__(self) -> None:
+        checks = {
+            "kv_cache_memory_gb": self.kv_cache_memory_gb > 0,
+            "block_size": self.block_size >= 1,
+            "max_num_seqs": self.max_num_seqs >= 1,
+            "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

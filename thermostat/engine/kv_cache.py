@@ -1,0 +1,108 @@
+"""The paged KV cache: the one object that owns the K/V tensors.
+
+Layout per layer: a flat array of slots, slot = block_id * block_size + offset_in_block.
+
+| tensor          | shape                              | dtype                     |
+|-----------------|------------------------------------|---------------------------|
+| key, value      | [num_blocks * block_size, Hkv, D]  | storage dtype             |
+| key/value scale | [num_blocks * block_size, Hkv, 1]  | float32 (fp8_e4m3 only)   |
+
+fp8_e4m3 stores each token's head vector divided by its own scale (amax / 448), so a token's
+quantization error never depends on other tokens; attention dequantizes what it gathers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype  # storage dtype
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype == torch.float8_e4m3fn
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of every layer for one block, scales included."""
+        per_token = self.num_kv_heads * (self.head_dim * self.dtype.itemsize + 4 * self.quantized)
+        return 2 * self.num_layers * self.block_size * per_token
+
+    def num_blocks_for(self, memory_bytes: int) -> int:
+        return max(memory_bytes // self.bytes_per_block, 1)
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {name!r}")
+    return KV_CACHE_DTYPES[name] or model_dtype
+
+
+class PagedKVCache:
+    """K/V storage for all layers. `write` stores new tokens into slots; `gather` returns the
+    context of a batch of block tables in the compute dtype."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, compute_dtype: torch.dtype) -> None:
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.compute_dtype = compute_dtype
+        num_slots = num_blocks * spec.block_size
+        shape = (num_slots, spec.num_kv_heads, spec.head_dim)
+        # fp8 is kept as raw bytes: CPU index kernels do not take float8 tensors.
+        store = torch.uint8 if spec.quantized else spec.dtype
+        self.key = [torch.zeros(shape, dtype=store) for _ in range(spec.num_layers)]
+        self.value = [torch.zeros(shape, dtype=store) for _ in range(spec.num_layers)]
+        scale_shape = (num_slots, spec.num_kv_heads, 1) if spec.quantized else (0,)
+        self.key_scale = [torch.ones(scale_shape) for _ in range(spec.num_layers)]
+        self.value_scale = [torch.ones(scale_shape) for _ in range(spec.num_layers)]
+
+    def write(
+        self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """key/value: [T, Hkv, D] for the T tokens whose cache slots are `slots` [T]."""
+        if self.spec.quantized:
+            self._write_fp8(self.key[layer], self.key_scale[layer], key, slots)
+            self._write_fp8(self.value[layer], self.value_scale[layer], value, slots)
+        else:
+            self.key[layer].index_copy_(0, slots, key.to(self.spec.dtype))
+            self.value[layer].index_copy_(0, slots, value.to(self.spec.dtype))
+
+    @staticmethod
+    def _write_fp8(
+        store: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        x = x.float()
+        scale = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+        store.index_copy_(0, slots, (x / scale).to(torch.float8_e4m3fn).view(torch.uint8))
+        scales.index_copy_(0, slots, scale)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at `slots` (any shape S) as [*S, Hkv, D] in the compute dtype."""
+        return (
+            self._read(self.key[layer], self.key_scale[layer], slots),
+            self._read(self.value[layer], self.value_scale[layer], slots),
+        )
+
+    def _read(self, store: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        x = store[slots]
+        if self.spec.quantized:
+            return (x.view(torch.float8_e4m3fn).float() * scales[slots]).to(self.compute_dtype)
+        return x if x.dtype == self.compute_dtype else x.to(self.compute_dtype)

@@ -1,0 +1,181 @@
+"""Runs one scheduled step: builds the flat batch and attention metadata, runs the model,
+samples. Keeps per-request sampling state (seeded generator, tokens seen) between steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from thermostat.engine.kv_cache import PagedKVCache
+from thermostat.engine.sampler import SamplingBatch, TokenLogprobs, sample_batch
+from thermostat.engine.scheduler import (
+    NewRequestData,
+    RunnerOutput,
+    ScheduledChunk,
+    SchedulerOutput,
+)
+from thermostat.models.attention import AttentionMetadata, PrefillSegment
+from thermostat.models.llama import LlamaFamilyModel
+
+
+@dataclass
+class RunnerRequest:
+    data: NewRequestData
+    generator: torch.Generator | None
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+def logprobs_of(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+    """Logprobs of `targets` under each row of raw `logits` [N, V], with the top-k of each row."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    idx = torch.tensor(targets, dtype=torch.int64)[:, None]
+    chosen = lp.gather(1, idx)
+    ranks = ((lp > chosen).sum(-1) + 1).tolist()
+    top_lp, top_ids = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else (lp[:, :0], idx[:, :0])
+    return [
+        TokenLogprobs(t, c, r, list(zip(ti, tl, strict=True)))
+        for t, c, r, ti, tl in zip(
+            targets, chosen[:, 0].tolist(), ranks, top_ids.tolist(), top_lp.tolist(), strict=True
+        )
+    ]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaFamilyModel,
+        cache: PagedKVCache,
+        block_size: int,
+        sliding_window: int | None = None,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.requests: dict[str, RunnerRequest] = {}
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        for req_id in out.finished_ids:
+            self.requests.pop(req_id, None)
+        for data in out.new_requests:
+            seed = data.params.seed
+            gen = None if seed is None else torch.Generator().manual_seed(seed)
+            self.requests[data.req_id] = RunnerRequest(data, gen)
+        result = RunnerOutput()
+        if not out.chunks:
+            return result
+        # Decodes (one token) first, batched; then prefill chunks.
+        chunks = sorted(out.chunks, key=lambda c: len(c.token_ids) != 1)
+        input_ids, positions, meta = self._prepare(chunks)
+        hidden = self.model(input_ids, positions, meta, self.cache)
+
+        ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
+        sampling = [i for i, c in enumerate(chunks) if c.sample]
+        if sampling:
+            logits = self.model.compute_logits(hidden[ends[sampling]])
+            picked = [chunks[i] for i in sampling]
+            sampled = sample_batch(logits, self._sampling_batch(picked))
+            for chunk, token, lp in zip(picked, sampled.token_ids, sampled.logprobs, strict=True):
+                self.requests[chunk.req_id].output_token_ids.append(token)
+                result.sampled[chunk.req_id] = token
+                if lp is not None:
+                    result.logprobs[chunk.req_id] = lp
+        offset = 0
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            k = self.requests[chunk.req_id].data.params.prompt_logprobs
+            if k is not None:
+                result.prompt_logprobs[chunk.req_id] = self._prompt_logprobs(
+                    chunk, hidden[offset : offset + n], k
+                )
+            offset += n
+        return result
+
+    def _prompt_logprobs(
+        self, chunk: ScheduledChunk, hidden: torch.Tensor, k: int
+    ) -> dict[int, TokenLogprobs]:
+        """Position p's prompt token is scored by the logits at position p - 1."""
+        prompt = self.requests[chunk.req_id].data.prompt_token_ids
+        last = min(chunk.start + len(chunk.token_ids), len(prompt) - 1)  # last scoring position+1
+        if last <= chunk.start:
+            return {}
+        logits = self.model.compute_logits(hidden[: last - chunk.start])
+        targets = prompt[chunk.start + 1 : last + 1]
+        scored = logprobs_of(logits, targets, k)
+        return {chunk.start + 1 + i: lp for i, lp in enumerate(scored)}
+
+    def _sampling_batch(self, chunks: list[ScheduledChunk]) -> SamplingBatch:
+        reqs = [self.requests[c.req_id] for c in chunks]
+        params = [r.data.params for r in reqs]
+        return SamplingBatch(
+            temperature=[p.temperature for p in params],
+            top_k=[p.top_k for p in params],
+            top_p=[p.top_p for p in params],
+            min_p=[p.min_p for p in params],
+            repetition_penalty=[p.repetition_penalty for p in params],
+            frequency_penalty=[p.frequency_penalty for p in params],
+            presence_penalty=[p.presence_penalty for p in params],
+            generators=[r.generator for r in reqs],
+            prompt_ids=[r.data.prompt_token_ids for r in reqs],
+            output_ids=[r.output_token_ids for r in reqs],
+            banned_ids=[list(c.banned_token_ids) for c in chunks],
+            num_logprobs=[p.logprobs for p in params],
+        )
+
+    def _prepare(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        for c in chunks:
+            input_ids.extend(c.token_ids)
+            positions.extend(range(c.start, c.start + len(c.token_ids)))
+        pos = torch.tensor(positions, dtype=torch.int64)
+        decodes = [c for c in chunks if len(c.token_ids) == 1]
+        tables = self._block_tables([c.block_table for c in chunks])
+        owner = torch.repeat_interleave(
+            torch.arange(len(chunks)), torch.tensor([len(c.token_ids) for c in chunks])
+        )
+        slot_mapping = tables[owner, pos // bs] * bs + pos % bs
+
+        nd = len(decodes)
+        context_lens = torch.tensor([c.start + 1 for c in decodes], dtype=torch.int64)
+        width = int(context_lens.max()) if nd else 0
+        ctx_pos = torch.arange(width)
+        decode_slots = tables[:nd, ctx_pos // bs] * bs + ctx_pos % bs if nd else tables[:0, :0]
+        decode_mask = ctx_pos[None, :] < context_lens[:, None]
+        if self.sliding_window is not None:
+            decode_mask &= ctx_pos[None, :] > context_lens[:, None] - 1 - self.sliding_window
+        prefills = []
+        for i, c in enumerate(chunks[nd:], start=nd):
+            q_len, ctx_len = len(c.token_ids), c.start + len(c.token_ids)
+            kv_pos = torch.arange(ctx_len)
+            slots = tables[i, kv_pos // bs] * bs + kv_pos % bs
+            prefills.append(PrefillSegment(q_len, slots, self._prefill_mask(c.start, q_len)))
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decodes=nd,
+            decode_slots=decode_slots,
+            decode_mask=decode_mask[:, None, None, :],
+            prefills=prefills,
+        )
+        return torch.tensor(input_ids, dtype=torch.int64), pos, meta
+
+    def _prefill_mask(self, start: int, q_len: int) -> torch.Tensor | None:
+        """[q_len, start + q_len] bool, True = attend; None = plain causal from position 0."""
+        window = self.sliding_window
+        if start == 0 and (window is None or window >= q_len):
+            return None
+        q_pos = torch.arange(start, start + q_len)[:, None]
+        kv_pos = torch.arange(start + q_len)[None, :]
+        mask = kv_pos <= q_pos
+        if window is not None:
+            mask &= kv_pos > q_pos - window
+        return mask
+
+    @staticmethod
+    def _block_tables(tables: list[list[int]]) -> torch.Tensor:
+        width = max(len(t) for t in tables)
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)

@@ -1,0 +1,249 @@
+"""Batched, exact token sampling with per-row parameters.
+
+Order of operations (as in transformers and vLLM): ban -> penalties -> temperature ->
+top-k -> top-p -> min-p -> sample. Shapes: B = rows in the batch, V = vocabulary size.
+All arithmetic is float32 on the logits' device; a row must keep at least one finite logit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+_NEG_INF = float("-inf")
+
+
+def token_counts(
+    ids: list[list[int]], vocab_size: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Return [B, V] int32 counts of each token id per row (rows may be empty).
+
+    Rows are right-padded with the sentinel id ``vocab_size`` into a [B, V+1] buffer, counted with
+    one ``scatter_add_`` and the sentinel column is dropped, so there is no Python loop over tokens.
+    """
+    rows = len(ids)
+    width = max((len(row) for row in ids), default=0)
+    counts = torch.zeros((rows, vocab_size + 1), dtype=torch.int32, device=device)
+    if rows and width:
+        padded = torch.tensor(
+            [list(row) + [vocab_size] * (width - len(row)) for row in ids],
+            dtype=torch.int64,
+            device=device,
+        )
+        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.int32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_counts: torch.Tensor | None,
+    output_counts: torch.Tensor,
+    repetition_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+    presence_penalty: torch.Tensor,
+) -> torch.Tensor:
+    """Return penalised copy of ``logits`` [B, V]; penalty tensors are [B] float32.
+
+    Repetition (HF/vLLM, 1.0 = off): every token seen in the prompt OR the output has a positive
+    logit divided by r and a non-positive one multiplied by r. Frequency/presence (OpenAI, 0 = off)
+    count OUTPUT tokens only: ``logit -= f * count + p * (count > 0)``. ``prompt_counts`` may be
+    None when no prompt tokens should count. Neutral values are exact no-ops (x / 1, x - 0).
+    """
+    seen = output_counts > 0
+    if prompt_counts is not None:
+        seen = seen | (prompt_counts > 0)
+    r = repetition_penalty[:, None]
+    repeated = torch.where(logits > 0, logits / r, logits * r)
+    out = torch.where(seen, repeated, logits)
+    out = out - frequency_penalty[:, None] * output_counts.to(out.dtype)
+    return out - presence_penalty[:, None] * (output_counts > 0).to(out.dtype)
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Return ``logits / temperature`` per row; rows with temperature 0 (greedy) are unchanged."""
+    t = torch.where(temperature == 0, torch.ones_like(temperature), temperature)
+    return logits / t[:, None].to(logits.dtype)
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Return ``logits`` [B, V] with filtered entries set to -inf (the input itself if all off).
+
+    top_k [B] int64 (k <= 0 or k >= V = off) keeps exactly k tokens: the batch is sorted once,
+    descending and stable, so at a tie on the boundary the lower token ids are kept and equal
+    values with higher ids are dropped. top_p [B] in (0, 1] (1 = off) keeps the smallest prefix of
+    the sorted tokens whose cumulative probability, renormalised after top-k, is >= top_p; the
+    most probable token is always kept. min_p [B] in [0, 1] (0 = off) drops tokens with
+    prob < min_p * max_prob. That ratio equals exp(logit - max_logit), which earlier filters do
+    not change, so min-p is a threshold on raw logit gaps.
+    """
+    vocab = logits.shape[-1]
+    k_on = (top_k > 0) & (top_k < vocab)
+    p_on = top_p < 1.0
+    m_on = min_p > 0.0
+    any_k, any_p, any_m = bool(k_on.any()), bool(p_on.any()), bool(m_on.any())
+    if not (any_k or any_p or any_m):
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    if any_k:
+        position = torch.arange(vocab, device=logits.device)
+        k = torch.where(k_on, top_k, vocab)
+        sorted_logits = sorted_logits.masked_fill(position >= k[:, None], _NEG_INF)
+    if any_p:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        ahead = torch.cumsum(probs, dim=-1) - probs  # probability mass strictly before each slot
+        drop = (ahead >= top_p[:, None]) & p_on[:, None]
+        drop[:, 0] = False  # the most probable token always survives
+        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    if any_m:
+        ratio = torch.exp(sorted_logits - sorted_logits[:, :1])  # p_i / p_max, in [0, 1]
+        drop = (ratio < min_p[:, None]) & m_on[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def sample_from_probs(
+    probs: torch.Tensor, generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """Draw one token per row of ``probs`` [B, V] (weights >= 0); return [B] int64 token ids.
+
+    Exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. selects token i with probability
+    p_i / sum(p), exactly. A row with its own generator (on ``probs.device``) draws its V noise
+    values from it, row by row, so its draws do not depend on the rest of the batch; the other
+    rows draw together from the default generator. Zero-weight tokens can never be chosen.
+    """
+    rows, vocab = probs.shape
+    noise = torch.empty_like(probs)
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if not seeded:
+        noise.exponential_()
+    elif len(seeded) < rows:
+        shared = [i for i, g in enumerate(generators) if g is None]
+        fresh = torch.empty((len(shared), vocab), dtype=probs.dtype, device=probs.device)
+        noise[shared] = fresh.exponential_()
+    for i in seeded:
+        fresh = torch.empty(vocab, dtype=probs.dtype, device=probs.device)
+        noise[i] = fresh.exponential_(generator=generators[i])
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # E > 0, so p / E is finite
+    scores = (probs / noise).masked_fill_(probs <= 0, -1.0)  # p / E may underflow to 0; 0 > -1
+    return scores.argmax(dim=-1)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-batch sampling inputs; row i belongs to request i of the batch."""
+
+    temperature: list[float]  # 0.0 = greedy
+    top_k: list[int]  # -1 = off
+    top_p: list[float]  # 1.0 = off
+    min_p: list[float]  # 0.0 = off
+    repetition_penalty: list[float]  # 1.0 = off
+    frequency_penalty: list[float]  # 0.0 = off
+    presence_penalty: list[float]  # 0.0 = off
+    generators: list[torch.Generator | None]  # None = default generator
+    prompt_ids: list[list[int]]  # used only when a repetition penalty is active
+    output_ids: list[list[int]]  # tokens generated so far
+    banned_ids: list[list[int]]  # token ids forbidden this step (e.g. EOS before min_tokens)
+    num_logprobs: list[int | None]  # None = no logprobs; k >= 0 = chosen + top-k alternatives
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float  # natural log, raw model distribution (after banning)
+    rank: int  # 1-based: 1 + number of tokens with a strictly larger logprob
+    top: list[tuple[int, float]]  # the k most likely (token_id, logprob), best first
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """Pick one token per row of ``logits`` [B, V] (any float dtype, upcast to float32).
+
+    Banned ids are set to -inf first. Logprobs describe the RAW model distribution,
+    log_softmax(logits) after banning but before penalties, temperature and filters (vLLM's
+    default). Greedy rows (temperature 0) take the argmax of the penalised logits; other rows are
+    filtered and sampled. If every row is greedy and no penalty is active this is a bare argmax
+    (no softmax, no sort); penalties are computed only if some row has a non-neutral one.
+    """
+    logits = logits.float()  # may alias the caller's tensor: never written in place below
+    rows, vocab = logits.shape
+    device = logits.device
+    for field in fields(batch):
+        if len(getattr(batch, field.name)) != rows:
+            raise ValueError(f"SamplingBatch.{field.name} must have {rows} entries")
+    if any(batch.banned_ids):
+        ban_rows = [i for i, ids in enumerate(batch.banned_ids) for _ in ids]
+        ban_cols = [t for ids in batch.banned_ids for t in ids]
+        logits = logits.clone()
+        logits[ban_rows, ban_cols] = _NEG_INF
+    raw_logprobs = None
+    if any(k is not None for k in batch.num_logprobs):
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+
+    def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    rep_on = any(r != 1.0 for r in batch.repetition_penalty)
+    freq_on = any(f != 0.0 for f in batch.frequency_penalty)
+    if rep_on or freq_on or any(p != 0.0 for p in batch.presence_penalty):
+        output_counts = token_counts(batch.output_ids, vocab, device)
+        prompt_counts = token_counts(batch.prompt_ids, vocab, device) if rep_on else None
+        logits = apply_penalties(
+            logits,
+            prompt_counts,
+            output_counts,
+            column(batch.repetition_penalty),
+            column(batch.frequency_penalty),
+            column(batch.presence_penalty),
+        )
+
+    greedy = [t == 0.0 for t in batch.temperature]
+    if all(greedy):
+        token_ids = logits.argmax(dim=-1)
+    else:
+        token_ids = torch.empty(rows, dtype=torch.int64, device=device)
+        picked = [i for i, g in enumerate(greedy) if not g]
+        if len(picked) < rows:
+            greedy_idx = column([i for i, g in enumerate(greedy) if g], torch.int64)
+            token_ids[greedy_idx] = logits[greedy_idx].argmax(dim=-1)
+            picked_idx = column(picked, torch.int64)
+            logits = logits[picked_idx]
+        else:
+            picked_idx = torch.arange(rows, device=device)
+
+        def pick(values: list) -> list:
+            return [values[i] for i in picked]
+
+        logits = apply_temperature(logits, column(pick(batch.temperature)))
+        logits = apply_top_k_top_p_min_p(
+            logits,
+            column(pick(batch.top_k), torch.int64),
+            column(pick(batch.top_p)),
+            column(pick(batch.min_p)),
+        )
+        probs = torch.softmax(logits, dim=-1)
+        token_ids[picked_idx] = sample_from_probs(probs, pick(batch.generators))
+
+    chosen = token_ids.tolist()
+    logprobs: list[TokenLogprobs | None] = [None] * rows
+    if raw_logprobs is not None:
+        want = [i for i, k in enumerate(batch.num_logprobs) if k is not None]
+        idx = column(want, torch.int64)
+        lp = raw_logprobs[idx]  # [R, V]
+        chosen_lp = lp.gather(1, token_ids[idx][:, None])  # [R, 1]
+        ranks = ((lp > chosen_lp).sum(dim=-1) + 1).tolist()
+        max_k = min(max(batch.num_logprobs[i] for i in want), vocab)
+        top_lp, top_ids = lp.topk(max_k, dim=-1)  # sorted, best first
+        top_lp, top_ids, chosen_list = top_lp.tolist(), top_ids.tolist(), chosen_lp[:, 0].tolist()
+        for j, i in enumerate(want):
+            k = min(batch.num_logprobs[i], vocab)
+            top = list(zip(top_ids[j][:k], top_lp[j][:k], strict=True))
+            logprobs[i] = TokenLogprobs(chosen[i], chosen_list[j], ranks[j], top)
+    return SamplerOutput(token_ids=chosen, logprobs=logprobs)

@@ -1,0 +1,230 @@
+"""Continuous batching with a token budget, chunked prefill, prefix caching and preemption.
+
+A step is `schedule() -> SchedulerOutput`, `runner.execute(out) -> RunnerOutput`,
+`scheduler.update(out, result)`. Running requests are served first, in admission order; when
+blocks run out the most recently admitted running request is preempted (its blocks freed, its
+progress recomputed later). Waiting requests are admitted while budget, blocks and seats last.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from thermostat.engine.block_manager import BlockManager
+from thermostat.engine.request import Request, RequestStatus
+from thermostat.engine.sampler import TokenLogprobs
+from thermostat.sampling.params import EffectiveParams
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_model_len: int = 2048
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class NewRequestData:
+    """What the runner keeps about a request from its first step until it finishes."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: EffectiveParams
+
+
+@dataclass
+class ScheduledChunk:
+    """Compute K/V for tokens [start, start + len(token_ids)) of one request."""
+
+    req_id: str
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    sample: bool  # the request catches up this step: sample its next token
+    banned_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # the runner may drop their state
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # prompt position -> logprobs of the prompt token at that position (position >= 1)
+    prompt_logprobs: dict[str, dict[int, TokenLogprobs]] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._known_to_runner: set[str] = set()
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+
+    @property
+    def block_size(self) -> int:
+        return self.blocks.block_size
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Request) -> None:
+        """Queue a request. Raises ValueError if it could never fit in the KV cache alone."""
+        longest = min(req.num_prompt_tokens + req.params.max_tokens, self.config.max_model_len)
+        if self.blocks.num_blocks_needed(longest) > self.blocks.num_blocks:
+            raise ValueError(
+                f"request needs {longest} tokens of KV cache, more than the whole cache "
+                f"({self.blocks.num_blocks * self.block_size} tokens)"
+            )
+        if req.req_id in self.requests:
+            raise ValueError(f"duplicate request id {req.req_id!r}")
+        req.update_block_hashes(self.block_size)
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def abort(self, req_id: str) -> Request | None:
+        req = self.requests.get(req_id)
+        if req is not None and not req.finished:
+            self.finish(req, "abort")
+        return req
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        self.blocks.free(req.req_id)
+        del self.requests[req.req_id]
+        if req.req_id in self._known_to_runner:
+            self._known_to_runner.discard(req.req_id)
+            self._finished_ids.append(req.req_id)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_behind, budget)
+            if not self._reserve(req, n):
+                preempted = True
+                break
+            out.chunks.append(self._chunk(req, n))
+            budget -= n
+            i += 1
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            hits = self._prefix_hits(req)
+            computed = len(hits) * self.block_size
+            n = min(req.num_tokens - computed, budget)
+            if not self.blocks.allocate(req.req_id, computed + n, hits):
+                break
+            self.waiting.popleft()
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = computed
+            req.num_computed_tokens = computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            if req.req_id not in self._known_to_runner:
+                self._known_to_runner.add(req.req_id)
+                out.new_requests.append(
+                    NewRequestData(req.req_id, req.prompt_token_ids, req.params)
+                )
+            out.chunks.append(self._chunk(req, n))
+            budget -= n
+        return out
+
+    def _reserve(self, req: Request, n: int) -> bool:
+        """Blocks for n more tokens of `req`, preempting from the tail of `running` as needed.
+        False if `req` itself had to be preempted."""
+        while not self.blocks.allocate(req.req_id, req.num_computed_tokens + n):
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.blocks.free(req.req_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _prefix_hits(self, req: Request) -> list[int]:
+        """Cached blocks for the request's leading full blocks. At least one token is always
+        left to compute (its logits are needed), and prompt logprobs need every position."""
+        if not self.config.enable_prefix_caching or req.params.prompt_logprobs is not None:
+            return []
+        usable = (req.num_tokens - 1) // self.block_size
+        return self.blocks.lookup(req.block_hashes[:usable])
+
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        catches_up = start + n == req.num_tokens
+        return ScheduledChunk(
+            req_id=req.req_id,
+            token_ids=req.token_ids(start, start + n),
+            start=start,
+            block_table=self.blocks.block_table(req.req_id),
+            sample=catches_up and req.num_output_tokens < req.params.max_tokens,
+            banned_token_ids=req.banned_token_ids(),
+        )
+
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """Advance counters by what the runner computed; append sampled tokens; finish requests
+        that hit a stop condition. Returns the requests that progressed."""
+        progressed = []
+        for chunk in out.chunks:
+            req = self.requests.get(chunk.req_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted or preempted meanwhile
+            req.num_computed_tokens += len(chunk.token_ids)
+            reason = None
+            token = result.sampled.get(req.req_id)
+            if token is not None:
+                req.output_token_ids.append(token)
+                reason = self._stop_reason(req, token)
+            elif chunk.sample is False and req.num_behind == 0:
+                reason = "length"  # max_tokens == 0: prompt only (e.g. echo with logprobs)
+            if self.config.enable_prefix_caching:
+                req.update_block_hashes(self.block_size)
+                full = req.num_computed_tokens // self.block_size
+                self.blocks.cache_blocks(req.req_id, req.block_hashes[:full])
+            progressed.append(req)
+            if reason is not None:
+                self.finish(req, reason)
+        return progressed
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        if token in req.stop_ids and req.num_output_tokens > req.params.min_tokens - 1:
+            return "stop"
+        if req.num_output_tokens >= req.params.max_tokens:
+            return "length"
+        if req.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,84 @@
+"""Paged attention over the KV cache, with its per-step metadata passed explicitly.
+
+Token order in a step's flat batch (T tokens):
+
+| rows                     | what                                                  |
+|--------------------------|-------------------------------------------------------|
+| [0, num_decodes)         | one new token per decoding sequence, batched          |
+| [num_decodes, T)         | prefill chunks, one segment per sequence, in order    |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from thermostat.engine.kv_cache import PagedKVCache
+
+
+@dataclass
+class PrefillSegment:
+    """A chunk of q_len new tokens of one sequence whose context is ctx_len tokens long
+    (the chunk included); `mask` is [q_len, ctx_len] (True = attend) or None for plain causal
+    attention over a fresh sequence."""
+
+    q_len: int
+    context_slots: torch.Tensor  # [ctx_len] int64
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    num_decodes: int
+    decode_slots: torch.Tensor  # [num_decodes, L] int64, padded with slot 0
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, L] bool, False on padding
+    prefills: list[PrefillSegment]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    cache: PagedKVCache,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Writes k/v into the cache, then
+    attends each token to its sequence's context. Returns [T, Hq, D]."""
+    cache.write(layer, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        ck, cv = cache.gather(layer, meta.decode_slots)  # [nd, L, Hkv, D]
+        o = F.scaled_dot_product_attention(
+            q[:nd].unsqueeze(2),  # [nd, Hq, 1, D]
+            ck.transpose(1, 2),
+            cv.transpose(1, 2),
+            attn_mask=meta.decode_mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[:nd] = o.squeeze(2)
+    start = nd
+    for seg in meta.prefills:
+        end = start + seg.q_len
+        if seg.mask is None and not cache.spec.quantized:
+            ck, cv = k[start:end], v[start:end]  # fresh sequence: its context is the chunk
+        else:
+            ck, cv = cache.gather(layer, seg.context_slots)
+        o = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1),  # [Hq, q_len, D]
+            ck.transpose(0, 1),
+            cv.transpose(0, 1),
+            attn_mask=seg.mask,
+            is_causal=seg.mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[start:end] = o.transpose(0, 1)
+        start = end
+    return out

@@ -1,0 +1,238 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
+
+Weights are fused at load time: q/k/v into one projection, gate/up into another, so a layer is
+four matrix products."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from thermostat.engine.kv_cache import PagedKVCache
+from thermostat.models.attention import AttentionMetadata, paged_attention
+from thermostat.models.rope import RotaryEmbedding, apply_rotary
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """What the engine needs from a Hugging Face config.json."""
+
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    max_position_embeddings: int
+
+    @classmethod
+    def from_config(cls, config) -> ModelArch:
+        archs = list(getattr(config, "architectures", None) or [])
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"config.json: architectures={archs} is not supported; "
+                f"Thermostat serves {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        window = getattr(config, "sliding_window", None)
+        if arch == "Qwen2ForCausalLM" and not getattr(config, "use_sliding_window", False):
+            window = None
+        if arch == "Qwen3ForCausalLM" and not getattr(config, "use_sliding_window", False):
+            window = None
+        return cls(
+            architecture=arch,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=config.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False)),
+            o_bias=arch != "Qwen2ForCausalLM" and bool(getattr(config, "attention_bias", False)),
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=window,
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As transformers: normalise in float32, cast back, then scale.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+        )
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.qkv_proj = nn.Linear(
+            arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.scale = arch.head_dim**-0.5
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = paged_attention(q, k, v, self.layer, cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.intermediate = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * self.intermediate, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate, arch.hidden_size, bias=arch.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, layer)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(self, x, cos, sin, meta, cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaFamilyModel(nn.Module):
+    def __init__(self, arch: ModelArch, config, dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = (
+            None
+            if arch.tie_word_embeddings
+            else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        )
+        self.rotary = RotaryEmbedding(config, arch.head_dim, max_positions, dtype)
+        self.to(dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
+        cos, sin = self.rotary.tables(positions)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta, cache)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face parameter names, fusing q/k/v and gate/up. Raises ValueError naming
+        any missing or unexpected parameter."""
+        fused = {
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", 1),
+            "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", 1),
+        }
+        parts: dict[str, dict[int, torch.Tensor]] = {}
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in tensors:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints store the copy anyway
+            for src, (dst, index) in fused.items():
+                if f".{src}." in name:
+                    name = name.replace(f".{src}.", f".{dst}.")
+                    parts.setdefault(name, {})[index] = tensor
+                    break
+            else:
+                self._copy(params, name, tensor, hf_name)
+                loaded.add(name)
+        for name, pieces in parts.items():
+            expected = 3 if "qkv_proj" in name else 2
+            if sorted(pieces) != list(range(expected)):
+                raise ValueError(f"checkpoint: incomplete fused parameter {name}")
+            self._copy(params, name, torch.cat([pieces[i] for i in range(expected)]), name)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint: missing parameters {missing[:5]}")
+
+    @staticmethod
+    def _copy(params: dict, name: str, tensor: torch.Tensor, hf_name: str) -> None:
+        if name not in params:
+            raise ValueError(f"checkpoint: unexpected parameter {hf_name}")
+        param = params[name]
+        if param.shape != tensor.shape:
+            raise ValueError(
+                f"checkpoint: {hf_name} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(tensor)

@@ -1,0 +1,32 @@
+"""Sampling parameters, their layered resolution with provenance, and policies. No torch here:
+the gateway uses this package without an engine."""
+
+from __future__ import annotations
+
+from thermostat.sampling.params import (
+    LAYERED_FIELDS,
+    EffectiveParams,
+    SamplingParamError,
+    SamplingParams,
+)
+from thermostat.sampling.resolve import (
+    Adjustment,
+    GreedyRejected,
+    Policy,
+    Resolution,
+    SamplingDefaults,
+    resolve,
+)
+
+__all__ = [
+    "LAYERED_FIELDS",
+    "Adjustment",
+    "EffectiveParams",
+    "GreedyRejected",
+    "Policy",
+    "Resolution",
+    "SamplingDefaults",
+    "SamplingParamError",
+    "SamplingParams",
+    "resolve",
+]

@@ -1,0 +1,57 @@
+"""Model families' published sampling recommendations, and family detection from config.json.
+
+Each entry names where its values come from. The `recommended` layer uses them only when the
+operator opts in (`--sampling-defaults recommended`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    family: str
+    values: dict[str, Any]
+    source: str
+
+
+# fmt: off
+RECOMMENDATIONS: dict[str, Recommendation] = {
+    # DeepSeek-R1 model card, "Usage Recommendations": temperature 0.5-0.7, 0.6 recommended,
+    # top-p 0.95.
+    "deepseek": Recommendation("deepseek", {"temperature": 0.6, "top_p": 0.95},
+                               "DeepSeek-R1 model card, usage recommendations"),
+    # Qwen3 model card, "Best Practices", thinking mode: Temperature=0.6, TopP=0.95, TopK=20,
+    # MinP=0.
+    "qwen3": Recommendation("qwen3", {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0},
+                            "Qwen3 model card, best practices (thinking mode)"),
+    # Qwen2.5-Instruct generation_config.json as published by Qwen.
+    "qwen2": Recommendation("qwen2", {"temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                                      "repetition_penalty": 1.05},
+                            "Qwen2.5-Instruct generation_config.json"),
+    # Llama-3.x-Instruct generation_config.json as published by Meta.
+    "llama": Recommendation("llama", {"temperature": 0.6, "top_p": 0.9},
+                            "Llama-3.x-Instruct generation_config.json"),
+}
+# fmt: on
+
+
+def detect_family(config: dict[str, Any]) -> str | None:
+    """The family key of RECOMMENDATIONS that a HF config.json belongs to, if any."""
+    model_type = str(config.get("model_type", "")).lower()
+    if model_type.startswith("deepseek"):
+        return "deepseek"
+    if model_type.startswith("qwen3"):
+        return "qwen3"
+    if model_type.startswith("qwen2"):
+        return "qwen2"
+    if model_type == "llama":
+        return "llama"
+    return None
+
+
+def recommendation_for(config: dict[str, Any]) -> Recommendation | None:
+    family = detect_family(config)
+    return RECOMMENDATIONS.get(family) if family else None

@@ -1,0 +1,164 @@
+"""Layered resolution of sampling parameters with provenance, then policies.
+
+Layers, highest first; the first layer that sets a field wins:
+
+| source              | what it is                                                        |
+|---------------------|-------------------------------------------------------------------|
+| request             | a field the client sent (None = not sent)                         |
+| operator            | `--sampling-defaults` / `LLM(sampling_defaults=...)`              |
+| recommended         | the model family's published values; only when the operator opts in |
+| generation_config   | keys the model directory's generation_config.json actually sets   |
+| builtin             | neutral OpenAI-style values                                       |
+
+Policies run after the layers, each recorded as an Adjustment: min_temperature raises any lower
+temperature (an explicit 0 included); greedy="reject" refuses an explicit temperature 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from thermostat.sampling.params import (
+    BUILTIN,
+    LAYERED_FIELDS,
+    EffectiveParams,
+    SamplingParams,
+    validate_layered,
+)
+
+SOURCES = ("request", "operator", "recommended", "generation_config", "builtin")
+
+
+class GreedyRejected(ValueError):
+    """An explicit temperature 0 under the `--greedy reject` policy."""
+
+    param = "temperature"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Operator policies applied after the layers."""
+
+    min_temperature: float | None = None
+    greedy: Literal["allow", "reject"] = "allow"
+
+    def __post_init__(self) -> None:
+        if self.greedy not in ("allow", "reject"):
+            raise ValueError(f"greedy policy must be 'allow' or 'reject', got {self.greedy!r}")
+        if self.min_temperature is not None:
+            validate_layered("temperature", self.min_temperature)
+
+
+@dataclass(frozen=True)
+class Adjustment:
+    """A policy changed a resolved value."""
+
+    param: str
+    requested: Any
+    applied: Any
+    policy: str
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The server-side layers and policies, fixed at startup."""
+
+    operator: Mapping[str, Any] = field(default_factory=dict)
+    recommended: Mapping[str, Any] | None = None  # None: the operator did not opt in
+    generation_config: Mapping[str, Any] = field(default_factory=dict)
+    policy: Policy = field(default_factory=Policy)
+    default_max_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        for layer in (self.operator, self.recommended or {}, self.generation_config):
+            for name, value in layer.items():
+                if name not in LAYERED_FIELDS:
+                    raise ValueError(f"unknown sampling field {name!r}")
+                validate_layered(name, value)
+
+    def layers(self) -> list[tuple[str, Mapping[str, Any]]]:
+        """Server-side layers, highest first (the request layer is added by `resolve`)."""
+        return [
+            ("operator", self.operator),
+            ("recommended", self.recommended or {}),
+            ("generation_config", self.generation_config),
+            ("builtin", BUILTIN),
+        ]
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Effective parameters, the source of each layered field, and policy adjustments."""
+
+    effective: EffectiveParams
+    source: dict[str, str]
+    adjusted: tuple[Adjustment, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `sampling` extension object of a response."""
+        return {
+            "effective": self.effective.sampling_dict(),
+            "source": dict(self.source),
+            "adjusted": [vars(a) | {} for a in self.adjusted],
+        }
+
+
+def resolve_layers(
+    request: Mapping[str, Any], defaults: SamplingDefaults
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """First layer that sets each field wins; returns (values, source)."""
+    values: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for name in LAYERED_FIELDS:
+        for layer_name, layer in [("request", request), *defaults.layers()]:
+            if layer.get(name) is not None:
+                values[name] = layer[name]
+                source[name] = layer_name
+                break
+    return values, source
+
+
+def apply_policy(
+    values: dict[str, Any], source: dict[str, str], policy: Policy
+) -> list[Adjustment]:
+    """Apply min_temperature, then the greedy policy; mutate `values`, return adjustments."""
+    adjusted: list[Adjustment] = []
+    temperature = values["temperature"]
+    if policy.min_temperature is not None and temperature < policy.min_temperature:
+        values["temperature"] = policy.min_temperature
+        adjusted.append(
+            Adjustment("temperature", temperature, policy.min_temperature, "min_temperature")
+        )
+    elif temperature == 0.0 and source["temperature"] == "request" and policy.greedy == "reject":
+        raise GreedyRejected(
+            "temperature=0 (greedy decoding) is rejected by this server's policy "
+            "(--greedy reject): greedy decoding makes many models loop and repeat. Send a "
+            "temperature > 0, or omit it to get the server's defaults (GET /v1/sampling/defaults)."
+        )
+    return adjusted
+
+
+def resolve(params: SamplingParams, defaults: SamplingDefaults) -> Resolution:
+    """Resolve one request. Raises SamplingParamError for invalid input, GreedyRejected for an
+    explicit temperature 0 under greedy="reject"."""
+    params.validate()
+    values, source = resolve_layers(params.sent(), defaults)
+    adjusted = apply_policy(values, source, defaults.policy)
+    stop = params.stop
+    effective = EffectiveParams(
+        **values,
+        max_tokens=defaults.default_max_tokens if params.max_tokens is None else params.max_tokens,
+        min_tokens=params.min_tokens or 0,
+        seed=params.seed,
+        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+        stop_token_ids=tuple(params.stop_token_ids or ()),
+        ignore_eos=bool(params.ignore_eos),
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
+        skip_special_tokens=True
+        if params.skip_special_tokens is None
+        else params.skip_special_tokens,
+    )
+    return Resolution(effective=effective, source=source, adjusted=tuple(adjusted))

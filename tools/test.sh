@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Lint, format check, then the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/python -m pytest "$@"
