@@ -1,106 +1,17 @@
-"""Tiny random-weight checkpoints, written with transformers, for comparing against it."""
+"""Fixtures: tiny random-weight checkpoints (thermostat.random_model) and the transformers
+reference."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    MistralConfig,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen3Config,
-)
+from transformers import AutoModelForCausalLM
 
-TEXT = (
-    "It was the best of times, it was the worst of times, it was the age of wisdom, it was "
-    "the age of foolishness, it was the epoch of belief, it was the epoch of incredulity. "
-    "def main():\n    return [x * 2 for x in range(10)]\n"
-    '<div id="nav"><a href="#top">top</a></div> Ünïcödé — naïve café 日本語 🙂\n'
-) * 4
+from thermostat.random_model import CONFIGS, build_tokenizer, write_model
 
-CONFIGS = {
-    "llama": (LlamaConfig, {}),
-    "llama3-rope": (
-        LlamaConfig,
-        {
-            "rope_scaling": {
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            }
-        },
-    ),
-    "llama-linear-rope-untied": (
-        LlamaConfig,
-        {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "tie_word_embeddings": False},
-    ),
-    "mistral": (MistralConfig, {"sliding_window": None}),
-    "qwen2": (Qwen2Config, {}),
-    "qwen3": (Qwen3Config, {"head_dim": 16}),
-}
-
-
-def build_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator([TEXT], trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|endoftext|>",
-        bos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        chat_template=(
-            "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-        ),
-    )
-
-
-def write_model(
-    path: Path,
-    kind: str = "llama",
-    seed: int = 0,
-    generation_config: dict | None = None,
-    **overrides,
-) -> Path:
-    """Save a tiny random model of `kind` (a CONFIGS key) with a tokenizer to `path`."""
-    config_cls, extra = CONFIGS[kind]
-    fields = dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        tie_word_embeddings=True,
-        eos_token_id=0,
-        bos_token_id=0,
-        pad_token_id=0,
-    )
-    config = config_cls(**(fields | extra | overrides))
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
-    gen = generation_config if generation_config is not None else {"eos_token_id": 0}
-    (path / "generation_config.json").write_text(json.dumps(gen))
-    return path
+__all__ = ["CONFIGS", "build_tokenizer", "hf_model", "write_model"]
 
 
 @pytest.fixture(scope="session")

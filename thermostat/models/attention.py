@@ -50,8 +50,8 @@ def paged_attention(
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Writes k/v into the cache, then
     attends each token to its sequence's context. Returns [T, Hq, D]."""
     cache.write(layer, k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
     nd = meta.num_decodes
+    out = torch.empty_like(q) if meta.prefills else None
     if nd:
         ck, cv = cache.gather(layer, meta.decode_slots)  # [nd, L, Hkv, D]
         o = F.scaled_dot_product_attention(
@@ -61,8 +61,10 @@ def paged_attention(
             attn_mask=meta.decode_mask,
             scale=scale,
             enable_gqa=True,
-        )
-        out[:nd] = o.squeeze(2)
+        ).squeeze(2)
+        if out is None:
+            return o  # a pure decode batch
+        out[:nd] = o
     start = nd
     for seg in meta.prefills:
         end = start + seg.q_len

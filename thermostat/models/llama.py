@@ -14,6 +14,7 @@ from torch import nn
 
 from thermostat.engine.kv_cache import PagedKVCache
 from thermostat.models.attention import AttentionMetadata, paged_attention
+from thermostat.models.linear import pack_linears
 from thermostat.models.rope import RotaryEmbedding, apply_rotary
 
 SUPPORTED_ARCHITECTURES = (
@@ -88,10 +89,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As transformers: normalise in float32, cast back, then scale.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # One fused op, accumulating in float32 (transformers rounds to the model dtype once
+        # more before scaling: identical in float32, within an ulp in bfloat16).
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -115,13 +115,15 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qk = torch.cat(
+                [self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1
+            )
+        qk = apply_rotary(qk, cos, sin)  # q and k heads together: one pass
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = paged_attention(q, k, v, self.layer, cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -158,11 +160,9 @@ class LlamaFamilyModel(nn.Module):
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = (
-            None
-            if arch.tie_word_embeddings
-            else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        )
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, arch.head_dim, max_positions, dtype)
         self.to(dtype)
 
@@ -184,8 +184,7 @@ class LlamaFamilyModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face parameter names, fusing q/k/v and gate/up. Raises ValueError naming
@@ -204,7 +203,7 @@ class LlamaFamilyModel(nn.Module):
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
                 continue  # tied: some checkpoints store the copy anyway
             for src, (dst, index) in fused.items():
                 if f".{src}." in name:
@@ -223,6 +222,7 @@ class LlamaFamilyModel(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint: missing parameters {missing[:5]}")
+        pack_linears(self)
 
     @staticmethod
     def _copy(params: dict, name: str, tensor: torch.Tensor, hf_name: str) -> None:

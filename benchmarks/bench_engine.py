@@ -1,0 +1,149 @@
+"""Output tokens/s and time to first token: Thermostat vs transformers `generate`, same random
+weights shaped like SmolLM2-135M, same dtype, in one run.
+
+    .venv/bin/python benchmarks/bench_engine.py [--batches 1 8 32] [--dtype bfloat16] [--json]
+
+Each batch size submits N requests of 128 random prompt tokens at once and generates 128 new
+tokens each (no early stop). Also measures the machine's copy bandwidth and how close batch-1
+decode gets to the bandwidth bound (weight bytes per token / bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from transformers import AutoModelForCausalLM
+
+from thermostat import LLM, SamplingParams
+from thermostat.random_model import SMOLLM2_135M, write_model
+
+console = Console(stderr=True)
+
+
+def copy_bandwidth_gbs(megabytes: int = 512, repeats: int = 5) -> float:
+    """Best of `repeats` copies: bytes read + bytes written per second."""
+    src = torch.empty(megabytes * 2**20, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() / best / 1e9
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab, (batch, length), generator=gen).tolist()
+
+
+def run_thermostat(llm: LLM, batch: int, args) -> dict:
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params)[0] for p in prompts(batch, args.prompt_tokens, 49152, 1)]
+    start = time.perf_counter()
+    first: dict[str, float] = {}
+    produced = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            first.setdefault(out.req_id, time.perf_counter() - start)
+            produced += len(out.new_token_ids)
+    elapsed = time.perf_counter() - start
+    assert produced == batch * args.output_tokens and len(first) == len(ids)
+    return {"tok_s": produced / elapsed, "ttft_s": sum(first.values()) / len(first)}
+
+
+@torch.inference_mode()
+def run_transformers(model, batch: int, args) -> dict:
+    ids = torch.tensor(prompts(batch, args.prompt_tokens, 49152, 1))
+    mask = torch.ones_like(ids)
+    common = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
+    start = time.perf_counter()
+    model.generate(ids, max_new_tokens=1, min_new_tokens=1, **common)
+    ttft = time.perf_counter() - start
+    start = time.perf_counter()
+    out = model.generate(
+        ids, max_new_tokens=args.output_tokens, min_new_tokens=args.output_tokens, **common
+    )
+    elapsed = time.perf_counter() - start
+    produced = (out.shape[1] - ids.shape[1]) * batch
+    return {"tok_s": produced / elapsed, "ttft_s": ttft}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--model-dir", type=Path, default=None, help="reuse a written model")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    dtype = getattr(torch, args.dtype)
+    model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="thermostat-bench-"))
+    if not (model_dir / "config.json").is_file():
+        console.log(f"writing a random SmolLM2-135M-shaped model to {model_dir}")
+        write_model(model_dir, "llama", dtype=dtype, **SMOLLM2_135M)
+    bandwidth = copy_bandwidth_gbs()
+    llm = LLM(str(model_dir), dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=2048)
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.loaded.model.parameters())
+    run_thermostat(llm, 2, argparse.Namespace(prompt_tokens=16, output_tokens=4))  # warm-up
+    hf = None
+    if not args.skip_transformers:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        run_transformers(hf, 1, argparse.Namespace(prompt_tokens=16, output_tokens=4))
+
+    rows = []
+    for batch in args.batches:
+        console.log(f"batch {batch}: thermostat")
+        ours = run_thermostat(llm, batch, args)
+        ref = None
+        if hf is not None:
+            console.log(f"batch {batch}: transformers")
+            ref = run_transformers(hf, batch, args)
+        rows.append({"batch": batch, "thermostat": ours, "transformers": ref})
+
+    bound = bandwidth * 1e9 / weight_bytes
+    result = {
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "copy_bandwidth_gbs": bandwidth,
+        "weight_bytes": weight_bytes,
+        "bandwidth_bound_tok_s": bound,
+        "rows": rows,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    table = Table(title=f"SmolLM2-135M-shaped, {args.dtype}, {torch.get_num_threads()} threads")
+    for col in ("batch", "thermostat tok/s", "transformers tok/s", "ratio", "TTFT ours / hf (s)"):
+        table.add_column(col, justify="right")
+    for row in rows:
+        ours, ref = row["thermostat"], row["transformers"]
+        table.add_row(
+            str(row["batch"]),
+            f"{ours['tok_s']:.1f}",
+            f"{ref['tok_s']:.1f}" if ref else "-",
+            f"{ours['tok_s'] / ref['tok_s']:.2f}x" if ref else "-",
+            f"{ours['ttft_s']:.2f} / {ref['ttft_s']:.2f}" if ref else f"{ours['ttft_s']:.2f}",
+        )
+    Console().print(table)
+    batch1 = next((r["thermostat"]["tok_s"] for r in rows if r["batch"] == 1), None)
+    print(
+        f"copy bandwidth {bandwidth:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB -> "
+        f"bound {bound:.1f} tok/s at batch 1"
+        + (f"; batch-1 decode reaches {batch1 / bound:.0%} of it" if batch1 else "")
+    )
+
+
+if __name__ == "__main__":
+    main()
