@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import write_model
+from tests.conftest import hf_model, write_model
 from thermostat import LLM, SamplingParams
 from thermostat.engine.detokenizer import IncrementalDetokenizer
 from thermostat.engine.loader import ModelLoadError, load_model
@@ -229,3 +229,18 @@ def test_load_errors_name_the_file_or_field(tmp_path, model_dir):
     (broken / "model.safetensors").unlink()
     with pytest.raises(ModelLoadError, match="safetensors"):
         load_model(broken)
+
+
+def test_sharded_checkpoint_and_dtypes(tmp_path, model_dir, reference):
+    """A sharded save (model.safetensors.index.json) loads to the same model; float16 and
+    bfloat16 run and mostly agree with float32 greedy output."""
+    hf = hf_model(model_dir)
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(sharded, max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (sharded / name).write_bytes((model_dir / name).read_bytes())
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert greedy_tokens(LLM(str(sharded), dtype="float32")) == reference
+    for dtype in ("float16", "bfloat16"):
+        tokens = greedy_tokens(LLM(str(model_dir), dtype=dtype), [PROMPTS[0]])[0]
+        assert tokens[:3] == reference[0][:3], dtype

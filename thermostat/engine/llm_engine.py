@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -25,21 +26,23 @@ from thermostat.sampling.resolve import Resolution, SamplingDefaults, resolve
 log = logging.getLogger("thermostat.engine")
 
 
+@dataclass
 class _Tracked:
     """Output-side state of one request: detokenizer and logprobs."""
 
-    def __init__(self, req: Request, resolution: Resolution, detok: IncrementalDetokenizer):
-        self.req = req
-        self.resolution = resolution
-        self.detok = detok
-        self.logprobs: list[TokenLogprobs] | None = (
-            [] if resolution.effective.logprobs is not None else None
-        )
-        n = req.num_prompt_tokens
-        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
-            [None] * n if resolution.effective.prompt_logprobs is not None else None
-        )
-        self.num_seen = 0  # output tokens already reported
+    req: Request
+    resolution: Resolution
+    detok: IncrementalDetokenizer
+    logprobs: list[TokenLogprobs] | None = None  # a list when the request asked for them
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # indexed by prompt position
+    num_seen: int = 0  # output tokens already reported
+
+    def __post_init__(self) -> None:
+        eff = self.resolution.effective
+        if eff.logprobs is not None:
+            self.logprobs = []
+        if eff.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * self.req.num_prompt_tokens
 
 
 class LLMEngine:

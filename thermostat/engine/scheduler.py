@@ -209,7 +209,7 @@ class Scheduler:
             if token is not None:
                 req.output_token_ids.append(token)
                 reason = self._stop_reason(req, token)
-            elif chunk.sample is False and req.num_behind == 0:
+            elif not chunk.sample and req.num_behind == 0:
                 reason = "length"  # max_tokens == 0: prompt only (e.g. echo with logprobs)
             if self.config.enable_prefix_caching:
                 req.update_block_hashes(self.block_size)
@@ -221,7 +221,7 @@ class Scheduler:
         return progressed
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
-        if token in req.stop_ids and req.num_output_tokens > req.params.min_tokens - 1:
+        if token in req.stop_ids:  # never sampled before min_tokens: they are banned until then
             return "stop"
         if req.num_output_tokens >= req.params.max_tokens:
             return "length"
