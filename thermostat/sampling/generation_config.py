@@ -11,6 +11,7 @@ flag is reported, and the startup report warns about it.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,3 +67,61 @@ def read_generation_config(model_dir: str | Path) -> GenerationConfigDefaults:
         eos_token_ids=eos_ids,
         ignored=ignored,
     )
+
+
+@dataclass(frozen=True)
+class GenerationConfigChange:
+    """What `update_generation_config` did."""
+
+    path: Path
+    backup: Path | None  # the previous file, or None when there was none
+    before: dict[str, Any]
+    after: dict[str, Any]
+
+    @property
+    def changed(self) -> dict[str, tuple[Any, Any]]:
+        keys = sorted(set(self.before) | set(self.after))
+        return {
+            k: (self.before.get(k), self.after.get(k))
+            for k in keys
+            if self.before.get(k) != self.after.get(k)
+        }
+
+
+def update_generation_config(
+    model_dir: str | Path, updates: dict[str, Any]
+) -> GenerationConfigChange:
+    """Set sampling keys in `model_dir/generation_config.json`, as the case study's fix did.
+
+    Every value is validated before anything is written. The old file is kept as
+    `generation_config.json.bak`; the new one is written to a temporary file and renamed over
+    the old, so a crash never leaves a half-written file. Setting a temperature > 0 also sets
+    `do_sample: true`, since transformers ignores sampling values without it."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ValueError(f"model directory not found: {model_dir}")
+    for name, value in updates.items():
+        if name not in LAYERED_FIELDS:
+            raise SamplingParamError(name, "is not a sampling field")
+        validate_layered(name, value)
+    path = model_dir / FILENAME
+    before: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            before = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc}); fix or remove it first") from exc
+    after = dict(before) | updates
+    if updates.get("temperature", 0) > 0:
+        after["do_sample"] = True
+    backup = None
+    if path.is_file():
+        backup = path.with_name(FILENAME + ".bak")
+        backup.write_bytes(path.read_bytes())
+    tmp = path.with_name(f".{FILENAME}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(after, indent=2) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return GenerationConfigChange(path=path, backup=backup, before=before, after=after)
