@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +11,7 @@ from rich.progress import Progress
 from thermostat.engine.config import EngineConfig
 from thermostat.engine.llm_engine import LLMEngine
 from thermostat.engine.sampler import TokenLogprobs
+from thermostat.sampling.fanout import per_sample
 from thermostat.sampling.params import SamplingParams
 from thermostat.sampling.recommendations import recommendation_for
 from thermostat.sampling.resolve import Policy, Resolution, SamplingDefaults
@@ -134,11 +134,7 @@ class LLM:
         added: list[str] = []
         try:
             for i, (prompt, p, res) in enumerate(zip(prompts, params, resolutions, strict=True)):
-                for j in range(p.n or 1):
-                    child = res
-                    if j and res.effective.seed is not None:  # sample j of n: its own stream
-                        eff = dataclasses.replace(res.effective, seed=res.effective.seed + j)
-                        child = dataclasses.replace(res, effective=eff)
+                for j, child in enumerate(per_sample(res, p.n or 1)):
                     req_id, _ = self.engine.add_request(
                         prompt, p, req_id=f"gen-{i}-{j}-{id(self)}", resolution=child
                     )

@@ -1,0 +1,93 @@
+"""The real command line: `python -m thermostat.cli serve` in a subprocess. It reports its
+sampling defaults, says where it listens when ready, and on SIGTERM finishes the request in
+flight before it exits."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import write_model
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_reports_drains_on_sigterm_and_exits(tmp_path):
+    model = write_model(tmp_path / "model", "llama", generation_config={"do_sample": False})
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "server.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "thermostat.cli",
+                "serve",
+                "--model",
+                str(model),
+                "--port",
+                str(port),
+                "--kv-cache-memory-gb",
+                "0.004",
+                "--dtype",
+                "float32",
+            ],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        ready = False
+        while not ready and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                ready = httpx.get(f"{url}/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert ready, log_path.read_text()
+
+        body = {"prompt": "It was", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        events, signalled, after = [], False, None
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[len("data: ") :])
+                if not signalled:
+                    proc.send_signal(signal.SIGTERM)
+                    signalled = True
+                elif after is None and len(events) > 5:
+                    try:  # new requests are refused while draining
+                        after = httpx.get(f"{url}/health", timeout=2).status_code
+                    except httpx.TransportError:
+                        after = "refused"
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert "sampling" in chunks[-1]
+        assert after in (503, "refused")
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log_text = log_path.read_text()
+    assert "Sampling defaults for model" in log_text
+    assert "ignores do_sample" in log_text
+    assert f"ready: serving 'model' at http://127.0.0.1:{port}" in log_text
+    assert "draining" in log_text
+    assert '"status": "ok"' in log_text  # the drained request's log line

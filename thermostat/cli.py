@@ -1,0 +1,54 @@
+"""`thermostat`: one entry point, one subcommand per module.
+
+A subcommand module exposes `HELP` (one line), `EPILOG` (examples), `add_arguments(parser)` and
+`run(args) -> int`; registering it is one line in COMMANDS. Exit status: 0 success, 1 a failure
+or finding at run time, 2 bad usage or configuration.
+
+Planned: verify URL, explain, diagnose, set-defaults MODEL_DIR, router, gateway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+COMMANDS: dict[str, str] = {
+    "serve": "thermostat.server.command",
+    "bench": "thermostat.tools.bench",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="thermostat",
+        description="An LLM inference server whose sampling you can see, set and verify.",
+        epilog="examples:\n" + "".join(f"  thermostat {name} --help\n" for name in COMMANDS),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        sub = subparsers.add_parser(
+            name,
+            help=module.HELP,
+            description=module.HELP,
+            epilog=module.EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The FastAPI app for one model: `create_app(ServerConfig)`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from thermostat.engine.loader import DEMO_MODEL_DIR, ModelLoadError, resolve_model_path
+from thermostat.sampling import GreedyRejected, SamplingParamError
+from thermostat.server.config import ServerConfig
+from thermostat.server.defaults import ServerDefaults
+from thermostat.server.errors import classify, install_error_handlers, refuse
+from thermostat.server.middleware import GateMiddleware
+from thermostat.server.routes import router
+from thermostat.server.serving import ClientGone
+from thermostat.server.state import ServerState
+
+
+def locate_model(model: str) -> Path:
+    """The model directory; raises ModelLoadError with a message a person can act on."""
+    if model == "demo" and not (DEMO_MODEL_DIR / "config.json").is_file():
+        raise ModelLoadError(
+            f"bundled demo model not found (expected in {DEMO_MODEL_DIR}); serve a Hugging Face "
+            f"model directory instead: thermostat serve --model DIR"
+        )
+    return resolve_model_path(model)
+
+
+def create_app(config: ServerConfig) -> FastAPI:
+    """Raises ModelLoadError (no model directory) or ValueError (sampling defaults that cannot
+    apply to this model) before anything is loaded. The model loads when the app starts."""
+    model_dir = locate_model(config.engine.model)
+    name = config.served_model_name or ("demo" if config.engine.model == "demo" else model_dir.name)
+    defaults = ServerDefaults.for_model(model_dir, name, config.sampling_defaults, config.policy)
+    state = ServerState(config, model_dir, defaults)
+    app = FastAPI(title="Thermostat", lifespan=state.lifespan)
+    app.state.thermostat = state
+    install_error_handlers(app)
+
+    async def on_sampling_error(request: Request, exc: Exception) -> Response:
+        return refuse(request, classify(exc))
+
+    async def on_client_gone(_: Request, __: Exception) -> Response:
+        return Response(status_code=499)  # nobody reads it; counted as "client closed request"
+
+    app.add_exception_handler(SamplingParamError, on_sampling_error)
+    app.add_exception_handler(GreedyRejected, on_sampling_error)
+    app.add_exception_handler(ClientGone, on_client_gone)
+    app.include_router(router)
+    state.route_paths = {getattr(route, "path", "") for route in app.routes}
+    app.add_middleware(GateMiddleware, state=state)
+    return app

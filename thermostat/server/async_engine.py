@@ -1,0 +1,313 @@
+"""The engine behind the event loop: one thread owns the LLMEngine and runs its step loop.
+
+Threads and what crosses between them:
+
+| direction        | channel                              | carries                          |
+|------------------|--------------------------------------|----------------------------------|
+| loop -> engine   | `queue.SimpleQueue` of commands      | add (a group of requests), abort |
+| engine -> loop   | `loop.call_soon_threadsafe(...)`     | add results, outputs, stats      |
+
+Invariants:
+- Only the engine thread touches the LLMEngine; commands are applied between steps, in order.
+- The engine thread blocks on the command queue while the engine has nothing to do (no busy
+  loop); while it has work it drains pending commands without blocking, then steps.
+- Everything the loop receives is a snapshot: outputs are copied before they cross, and the
+  stats that arrive with them describe the engine right after the same step.
+- An add is all or nothing: if one request of a group is refused, the others are aborted and the
+  caller's `add` raises the engine's exception (SamplingParamError, GreedyRejected, ValueError).
+- If a step raises, every in-flight request is aborted (its KV blocks freed) and its stream
+  raises EngineError; the thread keeps serving new requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from thermostat.engine.llm_engine import LLMEngine
+from thermostat.engine.outputs import RequestOutput
+from thermostat.sampling import Resolution, SamplingParams
+from thermostat.server.errors import EngineError
+
+log = logging.getLogger("thermostat.server")
+
+
+@dataclass(frozen=True)
+class EngineInput:
+    """One engine request: a prompt (token ids) and its resolved sampling."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    resolution: Resolution
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine right after a step or a batch of commands (counts are requests / blocks)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks held by requests
+    prefix_cache_queries: int = 0  # in blocks, since start
+    prefix_cache_hits: int = 0
+
+
+class OutputStream:
+    """The outputs of a group of engine requests (one response's choices), in arrival order.
+
+    Iterating yields `(index, RequestOutput)` until every request of the group has finished;
+    it raises EngineError if the engine failed. `abort()` stops the unfinished ones."""
+
+    def __init__(self, inputs: list[EngineInput], engine: AsyncEngine) -> None:
+        self.req_ids = [i.req_id for i in inputs]
+        self._index = {rid: i for i, rid in enumerate(self.req_ids)}
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._unfinished = set(self.req_ids)
+        self._engine = engine
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._close()
+            raise item
+        if item.finished:
+            self._unfinished.discard(item.req_id)
+            if not self._unfinished:
+                self._close()
+        return self._index[item.req_id], item
+
+    def abort(self) -> None:
+        """Abort the requests that have not finished (idempotent); their KV blocks are freed."""
+        if self._unfinished:
+            self._engine.abort(sorted(self._unfinished))
+            self._close()
+
+    def _close(self) -> None:
+        self._unfinished.clear()
+        self._engine._active.discard(self)
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+
+@dataclass
+class _Add:
+    inputs: list[EngineInput]
+    stream: OutputStream
+    done: asyncio.Future[None]
+
+
+@dataclass
+class _Abort:
+    req_ids: list[str]
+
+
+class _Stop:
+    pass
+
+
+class AsyncEngine:
+    """Async front of an LLMEngine; create and use it from the event loop that serves requests."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.stats = EngineStats()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._streams: dict[str, OutputStream] = {}  # engine thread only: req_id -> stream
+        self._active: set[OutputStream] = set()  # loop only: streams not finished
+        self._pending_adds = 0  # loop only: adds sent, not yet applied
+
+    # ---- event-loop side ----
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="thermostat-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued and not yet admitted, including adds the engine has not applied."""
+        return self.stats.num_waiting + self._pending_adds
+
+    @property
+    def num_in_flight(self) -> int:
+        """Groups (responses) still producing outputs."""
+        return len(self._active)
+
+    async def add(self, inputs: list[EngineInput]) -> OutputStream:
+        """Queue a group of requests; raises the engine's error if any is refused."""
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineError("the engine is not running")
+        stream = OutputStream(inputs, self)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending_adds += 1
+        self._commands.put(_Add(inputs, stream, done))
+        try:
+            await done
+        except asyncio.CancelledError:
+            self.abort(stream.req_ids)  # the add may have been applied already
+            raise
+        finally:
+            self._pending_adds -= 1
+        self._active.add(stream)
+        return stream
+
+    def abort(self, req_ids: list[str]) -> None:
+        self._commands.put(_Abort(list(req_ids)))
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until no response is in flight; False if `timeout_s` passed first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return not self._active
+
+    async def stop(self) -> None:
+        """Stop the thread; streams still open raise EngineError."""
+        if self._thread is None:
+            return
+        self._commands.put(_Stop())
+        await asyncio.to_thread(self._thread.join, 30.0)
+        for stream in list(self._active):
+            stream._put(EngineError("the server is shutting down"))
+        self._thread = None
+
+    def _publish(
+        self,
+        results: list[tuple[asyncio.Future[None], BaseException | None]],
+        items: list[tuple[OutputStream, RequestOutput | BaseException]],
+        stats: EngineStats,
+    ) -> None:
+        """Runs on the loop: settle add futures, hand out outputs, take the new stats."""
+        self.stats = stats
+        for future, error in results:
+            if future.done():  # the caller was cancelled; its abort is already queued
+                continue
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+        for stream, item in items:
+            stream._put(item)
+
+    # ---- engine-thread side ----
+
+    def _send(self, results: list, items: list) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+            self._loop.call_soon_threadsafe(self._publish, results, items, self._stats())
+
+    def _stats(self) -> EngineStats:
+        blocks = self.engine.blocks
+        return EngineStats(
+            num_running=self.engine.num_running,
+            num_waiting=self.engine.num_waiting,
+            num_blocks=blocks.num_blocks,
+            num_free_blocks=blocks.num_free_blocks,
+            kv_cache_usage=blocks.usage,
+            prefix_cache_queries=blocks.prefix_cache_queries,
+            prefix_cache_hits=blocks.prefix_cache_hits,
+        )
+
+    def _run(self) -> None:
+        while True:
+            try:
+                command = self._commands.get(block=not self.engine.has_unfinished())
+            except queue.Empty:
+                command = None
+            results: list[tuple[asyncio.Future[None], BaseException | None]] = []
+            while command is not None:
+                if isinstance(command, _Stop):
+                    self._fail_all(EngineError("the server is shutting down"))
+                    return
+                self._apply(command, results)
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            if results or not self.engine.has_unfinished():
+                self._send(results, [])
+            if self.engine.has_unfinished():
+                self._step()
+
+    def _apply(self, command: _Add | _Abort, results: list) -> None:
+        if isinstance(command, _Abort):
+            for req_id in command.req_ids:
+                self.engine.abort(req_id)
+                self._streams.pop(req_id, None)
+            return
+        added: list[str] = []
+        try:
+            for item in command.inputs:
+                self.engine.add_request(
+                    item.prompt_token_ids, item.params, item.req_id, item.resolution
+                )
+                added.append(item.req_id)
+        except Exception as exc:  # refused: nothing of the group stays queued
+            for req_id in added:
+                self.engine.abort(req_id)
+            results.append((command.done, exc))
+            return
+        for req_id in added:
+            self._streams[req_id] = command.stream
+        results.append((command.done, None))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; failing %d in-flight requests", len(self._streams))
+            self._fail_all(EngineError(f"the engine failed while generating: {exc!r}"))
+            return
+        items: list[tuple[OutputStream, RequestOutput | BaseException]] = []
+        for out in outputs:
+            stream = self._streams.get(out.req_id)
+            if stream is None:
+                continue  # aborted meanwhile
+            if out.finished:
+                del self._streams[out.req_id]
+            items.append((stream, _snapshot(out)))
+        self._send([], items)
+
+    def _fail_all(self, error: EngineError) -> None:
+        items: list[tuple[OutputStream, RequestOutput | BaseException]] = []
+        failed: set[int] = set()
+        for req_id, stream in list(self._streams.items()):
+            try:
+                self.engine.abort(req_id)
+            except Exception:
+                log.exception("abort of %s failed after an engine error", req_id)
+            if id(stream) not in failed:
+                failed.add(id(stream))
+                items.append((stream, error))
+        self._streams.clear()
+        self._send([], items)
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """A copy the engine will not mutate later (its logprob lists grow in place)."""
+    return dataclasses.replace(
+        out,
+        logprobs=None if out.logprobs is None else list(out.logprobs),
+        prompt_logprobs=None if out.prompt_logprobs is None else list(out.prompt_logprobs),
+    )

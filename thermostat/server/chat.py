@@ -1,0 +1,82 @@
+"""Chat completion responses and stream chunks from a Job's outputs."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from thermostat.server.logprobs import TokenText, chat_logprobs
+from thermostat.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    DeltaMessage,
+)
+from thermostat.server.serving import Job
+
+
+def chat_response(job: Job, tokens: TokenText) -> ChatCompletionResponse:
+    """The whole response; every choice has finished."""
+    choices = []
+    for index in range(job.num_choices):
+        out = job.finals[index]
+        choices.append(
+            ChatChoice(
+                index=index,
+                message=ChatMessageOut(content=out.text),
+                logprobs=None if out.logprobs is None else chat_logprobs(out.logprobs, tokens),
+                finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+                quality=job.quality[index],
+            )
+        )
+    return ChatCompletionResponse(
+        id=job.id,
+        created=job.created,
+        model=job.model,
+        choices=choices,
+        usage=job.usage(),
+        sampling=job.resolution.to_dict(),
+        quality=job.response_quality(),
+    )
+
+
+async def chat_chunks(
+    job: Job, tokens: TokenText, include_usage: bool
+) -> AsyncIterator[ChatCompletionChunk]:
+    """A role chunk per choice, content deltas, then per choice a chunk with its finish_reason
+    that also carries `sampling` and that choice's `quality`; a usage chunk last if asked."""
+
+    def chunk(choices: list[ChatChunkChoice], **extra: Any) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=job.id, created=job.created, model=job.model, choices=choices, **extra
+        )
+
+    for index in range(job.num_choices):
+        yield chunk(
+            [ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]
+        )
+    sent = [0] * job.num_choices  # logprob entries already sent, per choice
+    async for index, out in job.events():
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs = chat_logprobs(out.logprobs[sent[index] :], tokens)
+            sent[index] = len(out.logprobs)
+        delta = DeltaMessage(content=out.delta) if out.delta else DeltaMessage()
+        if not out.finished:
+            if out.delta or (logprobs and logprobs["content"]):
+                yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs)])
+            continue
+        final = ChatChunkChoice(
+            index=index,
+            delta=delta,
+            logprobs=logprobs,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+            quality=job.quality[index],
+        )
+        yield chunk([final], sampling=job.resolution.to_dict(), quality=job.quality[index])
+    if include_usage:
+        yield chunk([], usage=job.usage())

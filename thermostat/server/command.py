@@ -1,0 +1,137 @@
+"""`thermostat serve`: flags -> ServerConfig -> the app under uvicorn.
+
+Configuration errors (a bad --sampling-defaults, a missing model directory, a `recommended` for a
+family without one) are reported on stderr with exit status 2 before anything loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from thermostat.engine.config import EngineConfig
+from thermostat.sampling import Policy
+from thermostat.server.app import create_app
+from thermostat.server.config import ServerConfig
+from thermostat.server.launch import ThermostatServer
+from thermostat.server.sampling_spec import parse_sampling_spec
+
+HELP = "serve a model over the OpenAI API"
+EPILOG = """examples:
+  thermostat serve                                    # the bundled demo model on 127.0.0.1:8000
+  thermostat serve --model ~/models/Qwen3-0.6B --sampling-defaults recommended
+  thermostat serve --model DIR --sampling-defaults temperature=0.6,top_p=0.95
+  thermostat serve --model DIR --sampling-defaults defaults.json --min-temperature 0.3
+  thermostat serve --model DIR --greedy reject --max-queue 64 --api-key "$KEY"
+
+  curl localhost:8000/v1/sampling/defaults           # what a request that omits fields gets
+
+exit status: 0 after a clean shutdown, 1 the model failed to load, 2 bad flags or configuration.
+"""
+ENGINE_DEFAULTS = EngineConfig()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="demo", help="model directory, or 'demo' (the default)")
+    p.add_argument("--served-model-name", help="the name clients use (default: directory name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    e = p.add_argument_group("engine")
+    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    e.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3"],
+    )
+    e.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS.max_num_seqs)
+    e.add_argument(
+        "--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS.max_num_batched_tokens
+    )
+    e.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=ENGINE_DEFAULTS.kv_cache_memory_gb,
+        help="memory for K/V; sets the number of KV blocks",
+    )
+    e.add_argument("--max-model-len", type=int, help="default: the model's context length")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--num-threads", type=int, help="torch threads (default: all cores)")
+    s = p.add_argument_group("sampling")
+    s.add_argument(
+        "--sampling-defaults",
+        metavar="SPEC",
+        help="operator defaults: key=value,... | a JSON file | 'recommended' (the family's "
+        "published values); they beat generation_config.json",
+    )
+    s.add_argument(
+        "--min-temperature",
+        type=float,
+        metavar="T",
+        help="raise any lower temperature to T, an explicit 0 included (recorded as adjusted)",
+    )
+    s.add_argument(
+        "--greedy",
+        default="allow",
+        choices=["allow", "reject"],
+        help="what to do with an explicit temperature 0 (reject: 400 that explains why)",
+    )
+    o = p.add_argument_group("operations")
+    o.add_argument("--max-queue", type=int, metavar="N", help="503 + Retry-After at N waiting")
+    o.add_argument(
+        "--api-key",
+        default=os.environ.get("THERMOSTAT_API_KEY"),
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $THERMOSTAT_API_KEY)",
+    )
+    o.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="on SIGTERM, seconds in-flight requests may take to finish",
+    )
+
+
+def config_from(args: argparse.Namespace) -> ServerConfig:
+    """Raises ValueError (SpecError and SamplingParamError among them) naming the bad flag."""
+    engine = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        num_threads=args.num_threads,
+    )
+    return ServerConfig(
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        sampling_defaults=parse_sampling_spec(args.sampling_defaults),
+        policy=Policy(min_temperature=args.min_temperature, greedy=args.greedy),
+        max_queue=args.max_queue,
+        api_key=args.api_key,
+        drain_timeout_s=args.drain_timeout,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from(args)
+        app = create_app(config)  # reads config.json and generation_config.json; no weights
+    except ValueError as exc:  # ModelLoadError is one
+        print(f"thermostat serve: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    server = ThermostatServer(app, config)
+    server.run()
+    return 1 if server.state.status == "failed" else 0

@@ -1,0 +1,34 @@
+"""Server settings, fixed at startup."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from thermostat.engine.config import EngineConfig
+from thermostat.sampling import Policy
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What `thermostat serve` was started with (engine settings included)."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)  # .model: "demo" or a directory
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # default: the model directory's name
+    # Parsed --sampling-defaults: operator values, the word "recommended", or None.
+    sampling_defaults: dict[str, Any] | str | None = None
+    policy: Policy = field(default_factory=Policy)
+    max_queue: int | None = None  # 503 + Retry-After once this many requests are waiting
+    api_key: str | None = None  # Bearer token required on /v1, /tokenize, /detokenize
+    drain_timeout_s: float = 60.0  # on SIGTERM, how long in-flight requests may finish
+    retry_after_s: int = 1  # the Retry-After of a queue-full 503
+
+    def __post_init__(self) -> None:
+        if self.max_queue is not None and self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")

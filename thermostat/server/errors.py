@@ -1,0 +1,126 @@
+"""Errors in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Bad input is a 4xx naming the parameter at fault, never a 500 and never a silent clamp. A 500
+means a genuine server fault (an engine crash), and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from thermostat.sampling import GreedyRejected, SamplingParamError
+from thermostat.server.protocol import ErrorInfo, ErrorResponse
+
+log = logging.getLogger("thermostat.server")
+request_log = logging.getLogger("thermostat.requests")
+_TYPE_TAG = re.compile(r"(str|int|float|bool|list|dict|none)(\[.*\])?|[a-z-]+\[.*\]")
+
+
+class APIError(Exception):
+    """An error answered to the client as-is."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+        self.headers = dict(headers or {})
+
+
+class EngineError(RuntimeError):
+    """The engine failed while serving a request (a server fault, not the client's)."""
+
+
+def classify(exc: BaseException) -> APIError:
+    """The APIError for an exception raised by resolution, the engine or the server."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, GreedyRejected):
+        return APIError(400, str(exc), param="temperature", code="greedy_rejected")
+    if isinstance(exc, SamplingParamError):
+        return APIError(400, str(exc), param=exc.param, code="invalid_value")
+    if isinstance(exc, EngineError):
+        return APIError(500, str(exc), type="server_error", code="engine_error")
+    if isinstance(exc, ValueError):  # the engine's "does not fit" refusals
+        return APIError(400, str(exc), param=getattr(exc, "param", None), code="invalid_value")
+    return APIError(500, f"internal error: {exc!r}", type="server_error", code="internal_error")
+
+
+def error_body(err: APIError) -> dict[str, Any]:
+    return ErrorResponse(error=err.info).model_dump()
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(error_body(err), status_code=err.status, headers=err.headers)
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """400 for pydantic errors; `param` is the top-level body field at fault."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON body: {first.get('msg')}", code="json_invalid")
+    if not loc:
+        return APIError(400, f"request body: {first.get('msg')}", code="invalid_body")
+    param = str(loc[0])
+    # drop pydantic's union-member tags ("str", "list[int]") from the location
+    where = ".".join(str(p) for p in loc if not _TYPE_TAG.fullmatch(str(p)))
+    got = "" if first.get("type") == "missing" else f" (got {repr(first.get('input'))[:60]})"
+    return APIError(400, f"{where}: {first.get('msg')}{got}", param=param, code="invalid_type")
+
+
+def refuse(request: Request, err: APIError) -> JSONResponse:
+    """The error response, after the request's one log line."""
+    line = {
+        "path": request.url.path,
+        "status": err.status,
+        "error": err.info.message,
+        "param": err.info.param,
+        "code": err.info.code,
+    }
+    request_log.info(json.dumps(line))
+    return error_response(err)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves the app in the OpenAI shape."""
+
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return refuse(request, exc)
+
+    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return refuse(request, validation_error(list(exc.errors())))
+
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        err = APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers)
+        return refuse(request, err)
+
+    async def on_crash(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return error_response(classify(exc))
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(HTTPException, on_http)
+    app.add_exception_handler(Exception, on_crash)

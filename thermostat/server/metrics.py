@@ -1,0 +1,115 @@
+"""Prometheus metrics, in a registry of the app's own (two apps in a process never collide).
+
+Counters carry the `_total` suffix on the wire. Engine gauges are refreshed from the engine
+thread's latest stats snapshot at scrape time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from thermostat.sampling import Resolution
+from thermostat.server.async_engine import EngineStats
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Metrics:
+    """Every family the server exports; updated from the event loop only."""
+
+    def __init__(self) -> None:
+        disable_created_metrics()  # no `_created` series: half the output, no information
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "thermostat_requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "thermostat_prompt_tokens", "Prompt tokens of admitted requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "thermostat_generation_tokens", "Generated tokens", registry=r
+        )
+        self.ttft = Histogram(
+            "thermostat_time_to_first_token_seconds",
+            "Arrival to first generated token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "thermostat_inter_token_latency_seconds",
+            "Time between generated tokens",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "thermostat_request_latency_seconds",
+            "Arrival to last token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge("thermostat_requests_running", "Requests in the batch", registry=r)
+        self.waiting = Gauge("thermostat_requests_waiting", "Requests queued", registry=r)
+        self.kv_usage = Gauge(
+            "thermostat_kv_cache_usage_ratio", "Fraction of KV blocks held by requests", registry=r
+        )
+        self.prefix_hit_rate = Gauge(
+            "thermostat_prefix_cache_hit_rate",
+            "Prefix cache hits / queries, in blocks",
+            registry=r,
+        )
+        self.temperature_source = Counter(
+            "thermostat_requests_by_temperature_source",
+            "Requests by the layer their effective temperature came from",
+            ["source"],
+            registry=r,
+        )
+        self.greedy = Counter(
+            "thermostat_greedy_requests", "Requests served with temperature 0", registry=r
+        )
+        self.adjustments = Counter(
+            "thermostat_policy_adjustments",
+            "Values changed (min_temperature) or requests refused (greedy_reject) by a policy",
+            ["policy"],
+            registry=r,
+        )
+        self.degenerate = Counter(
+            "thermostat_degenerate_responses",
+            "Completions flagged degenerate, by reason",
+            ["reason"],
+            registry=r,
+        )
+
+    def on_admitted(self, resolution: Resolution, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.temperature_source.labels(resolution.source["temperature"]).inc()
+        if resolution.effective.greedy:
+            self.greedy.inc()
+        for adjustment in resolution.adjusted:
+            self.adjustments.labels(adjustment.policy).inc()
+
+    def on_quality(self, report: dict[str, Any]) -> None:
+        if report.get("degenerate"):
+            for reason in report.get("signals") or {"unspecified": None}:
+                self.degenerate.labels(reason).inc()
+
+    def render(self, stats: EngineStats | None) -> bytes:
+        if stats is not None:
+            self.running.set(stats.num_running)
+            self.waiting.set(stats.num_waiting)
+            self.kv_usage.set(stats.kv_cache_usage)
+            queries = stats.prefix_cache_queries
+            self.prefix_hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
+        return generate_latest(self.registry)

@@ -1,0 +1,75 @@
+"""The gate in front of every route: API key, readiness, draining; and per-endpoint counting.
+
+| path                                       | API key  | while loading / draining |
+|--------------------------------------------|----------|--------------------------|
+| /health                                    | open     | answers 503 itself       |
+| /metrics                                   | open     | served                   |
+| /v1/*, /tokenize, /detokenize              | required | 503                      |
+
+A request admitted before draining began runs to the end: the drain waits for it.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import TYPE_CHECKING
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from thermostat.server.errors import APIError, error_response
+
+if TYPE_CHECKING:
+    from thermostat.server.state import ServerState
+
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+ALWAYS_SERVED = ("/health", "/metrics")
+
+
+class GateMiddleware:
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        status = 500
+
+        async def send_counted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            refusal = self._refusal(scope, path)
+            if refusal is not None:
+                await error_response(refusal)(scope, receive, send_counted)
+            else:
+                await self.app(scope, receive, send_counted)
+        finally:
+            route = scope.get("route")
+            endpoint = getattr(route, "path", None)
+            if endpoint is None:
+                endpoint = path if path in self.state.route_paths else "unmatched"
+            self.state.metrics.requests.labels(endpoint, str(status)).inc()
+
+    def _refusal(self, scope: Scope, path: str) -> APIError | None:
+        key = self.state.config.api_key
+        if key is not None and path.startswith(PROTECTED_PREFIXES):
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + key.encode()):
+                return APIError(
+                    401,
+                    "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+        if path in ALWAYS_SERVED or self.state.status == "ready":
+            return None
+        why = {"loading": "the model is loading", "draining": "the server is shutting down"}
+        message = why.get(self.state.status, "the server cannot serve requests")
+        return APIError(503, f"{message}; retry later", type="server_error", code="unavailable")

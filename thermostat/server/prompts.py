@@ -1,0 +1,92 @@
+"""Prompts from request bodies: chat messages through the model's chat template, completion
+prompts as text or token ids. Every prompt leaves here as token ids.
+
+Chat: `apply_chat_template(messages, add_generation_prompt=True, tokenize=False)`, then encoded
+WITHOUT special tokens (the template already wrote them). Completions: text is encoded with the
+tokenizer's special tokens (a BOS where the model has one), as the engine does for text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from thermostat.server.errors import APIError
+from thermostat.server.protocol import ChatMessage
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: list[int]
+    text: str | None = None  # as sent, when sent as text (echo returns it verbatim)
+
+
+class PromptBuilder:
+    """Turns messages or completion prompts into token ids; bad ones raise a 400 APIError."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+
+    def chat_text(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+        if not messages:
+            raise APIError(400, "messages must not be empty", param="messages", code="empty")
+        if self.tokenizer.chat_template is None:
+            raise APIError(
+                400,
+                "this model has no chat template; use /v1/completions",
+                param="messages",
+                code="no_chat_template",
+            )
+        rendered = [_message_dict(i, m) for i, m in enumerate(messages)]
+        try:
+            return self.tokenizer.apply_chat_template(
+                rendered, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except Exception as exc:  # jinja raises for messages the template refuses
+            raise APIError(
+                400, f"messages: the chat template refused them: {exc}", param="messages"
+            ) from exc
+
+    def chat(self, messages: list[ChatMessage]) -> Prompt:
+        text = self.chat_text(messages)
+        return Prompt(self.tokenizer.encode(text, add_special_tokens=False), text)
+
+    def completion(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+        """One Prompt per prompt of the request (a batch is a list of them)."""
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            batch: list[Any] = [prompt]
+        else:
+            batch = list(prompt)
+        if not batch:
+            raise APIError(400, "prompt must not be empty", param="prompt", code="empty")
+        prompts = []
+        for item in batch:
+            if not item:
+                raise APIError(400, "prompt must not be empty", param="prompt", code="empty")
+            if isinstance(item, str):
+                prompts.append(Prompt(self.tokenizer.encode(item, add_special_tokens=True), item))
+            else:
+                prompts.append(Prompt(list(item)))
+        return prompts
+
+
+def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
+    """The template's view of a message: content as a string, extra keys kept."""
+    data = message.model_dump(exclude_none=True)
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise APIError(
+                    400,
+                    f"messages[{index}].content: only text parts are supported, got {part.type!r}",
+                    param="messages",
+                )
+            texts.append(part.text)
+        data["content"] = "".join(texts)
+    elif content is None:
+        data["content"] = ""
+    return data

@@ -1,0 +1,187 @@
+"""OpenAI wire schemas (requests and responses), with Thermostat's extension fields.
+
+Requests are strict: a wrong JSON type is a 400, never a silent coercion ("0.5" is not a number,
+2.0 is not an integer, 1 is not a boolean). Every sampling field is Optional and None by
+default, so an omitted field is never confused with one sent with its default value; JSON `null`
+means "not sent" too. Unknown fields are ignored, as other OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+def _omit_none(**kwargs: Any) -> Any:
+    """A field left out of the JSON while None (extension and optional fields)."""
+    return Field(default=None, exclude_if=lambda v: v is None, **kwargs)
+
+
+# ---- requests ----
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class ContentPart(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    """One message; extra keys (name, tool_calls, ...) are passed to the chat template."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class _GenerationRequest(_Strict):
+    """Fields both generation endpoints accept. vLLM/SGLang extras (top_k, min_p,
+    repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens) are plain
+    body fields, sent by the openai client through `extra_body`."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = None
+    logprobs: int | None = None  # legacy shape: the number of top alternatives per token
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses ----
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    quality: dict[str, Any] = Field(default_factory=dict)
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    sampling: dict[str, Any]
+    quality: dict[str, Any]
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = _omit_none()
+    content: str | None = _omit_none()
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = _omit_none()
+    quality: dict[str, Any] | None = _omit_none()
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = _omit_none()
+    sampling: dict[str, Any] | None = _omit_none()  # on a chunk that carries a finish_reason
+    quality: dict[str, Any] | None = _omit_none()
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = _omit_none()
+    quality: dict[str, Any] | None = _omit_none()
+
+
+class CompletionResponse(BaseModel):
+    """Also the streaming chunk (OpenAI uses the same object for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = _omit_none()
+    sampling: dict[str, Any] | None = _omit_none()
+    quality: dict[str, Any] | None = _omit_none()
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

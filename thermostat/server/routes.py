@@ -1,0 +1,169 @@
+"""HTTP routes. Each converts its body to SamplingParams in one call (`to_sampling_params`),
+builds the prompt, submits, and returns or streams; everything else lives in the modules named.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+
+from thermostat.server.chat import chat_chunks, chat_response
+from thermostat.server.completions import completion_chunks, completion_response
+from thermostat.server.errors import APIError, error_body, validation_error
+from thermostat.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from thermostat.server.request_params import to_sampling_params
+from thermostat.server.state import ServerState
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.thermostat
+
+
+def _json(model: BaseModel) -> Response:
+    # pydantic writes non-finite floats (a banned token's -inf logprob) as null: valid JSON
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+def _sse(chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {chunk.model_dump_json()}\n\n"
+        except APIError as err:  # after the 200 went out: report in-band, then end the stream
+            yield f"data: {json.dumps(error_body(err))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(
+        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 only when ready; 503 while loading, draining or failed."""
+    status = _state(request).status
+    return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = _state(request)
+    stats = state.engine.stats if state.engine else None
+    return Response(state.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    card = {
+        "id": state.defaults.model,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "thermostat",
+        "root": str(state.model_dir),
+        "max_model_len": state.max_model_len,
+    }
+    return {"object": "list", "data": [card]}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    state = _state(request)
+    params = to_sampling_params(body)
+    prompt = state.prompts.chat(body.messages)
+    job = await state.serving.submit("chat", body.model, [prompt], params)
+    if body.stream:
+        return _sse(chat_chunks(job, state.tokens, _include_usage(body)))
+    await job.collect(request)
+    return _json(chat_response(job, state.tokens))
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    state = _state(request)
+    params = to_sampling_params(body)
+    prompts = state.prompts.completion(body.prompt)
+    job = await state.serving.submit("completions", body.model, prompts, params)
+    echo = bool(body.echo)
+    if body.stream:
+        return _sse(completion_chunks(job, state.tokens, echo, _include_usage(body)))
+    await job.collect(request)
+    return _json(completion_response(job, state.tokens, echo))
+
+
+@router.get("/v1/sampling/defaults")
+async def sampling_defaults(request: Request) -> dict[str, Any]:
+    """What a request that sends no sampling field gets, with the source of each value."""
+    return _state(request).defaults.to_dict()
+
+
+@router.post("/v1/sampling/explain")
+async def sampling_explain(request: Request) -> dict[str, Any]:
+    """The resolution of a chat or completions body, without generating. A body without
+    `prompt` is read as chat; its messages may be left out."""
+    state = _state(request)
+    try:
+        raw = json.loads(await request.body())
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"malformed JSON body: {exc}", code="json_invalid") from exc
+    if not isinstance(raw, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_body")
+    try:
+        if "prompt" in raw:
+            body: ChatCompletionRequest | CompletionRequest = CompletionRequest.model_validate(raw)
+        else:
+            body = ChatCompletionRequest.model_validate({"messages": []} | raw)
+    except ValidationError as exc:
+        raise validation_error(list(exc.errors())) from exc
+    resolution = state.serving.explain(body.model, to_sampling_params(body))
+    endpoint = "completions" if isinstance(body, CompletionRequest) else "chat"
+    return {"model": state.defaults.model, "endpoint": endpoint, "sampling": resolution.to_dict()}
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    state = _state(request)
+    state.serving.check_model(body.model)
+    tokenizer = state.prompts.tokenizer
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "send exactly one of prompt and messages", param="prompt")
+    if body.messages is not None:
+        gen_prompt = body.add_generation_prompt is not False
+        text = state.prompts.chat_text(body.messages, add_generation_prompt=gen_prompt)
+        special = bool(body.add_special_tokens)
+    else:
+        text, special = body.prompt or "", body.add_special_tokens is not False
+    tokens = tokenizer.encode(text, add_special_tokens=special)
+    return {
+        "count": len(tokens),
+        "max_model_len": state.max_model_len,
+        "tokens": tokens,
+        "token_strs": None,
+    }
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    state = _state(request)
+    state.serving.check_model(body.model)
+    vocab = len(state.prompts.tokenizer)
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise APIError(400, f"tokens: ids must be in [0, {vocab})", param="tokens")
+    return {"prompt": state.tokens.decode(body.tokens)}

@@ -1,0 +1,248 @@
+"""Submitting a request to the engine and following it: `Serving.submit` -> `Job`.
+
+A Job is one response: `len(prompts) * n` engine requests (choice `index` is prompt
+`index // n`, sample `index % n`). It measures TTFT and inter-token latency, computes the quality
+report of each finished choice, feeds the metrics and writes the request's log line when it
+ends, however it ends (finished, client gone, engine error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+from thermostat.engine.outputs import RequestOutput
+from thermostat.quality import quality_report
+from thermostat.sampling import (
+    GreedyRejected,
+    Resolution,
+    SamplingDefaults,
+    SamplingParams,
+    resolve,
+)
+from thermostat.sampling.fanout import per_sample
+from thermostat.server.async_engine import AsyncEngine, EngineInput, OutputStream
+from thermostat.server.errors import APIError, classify
+from thermostat.server.metrics import Metrics
+from thermostat.server.prompts import Prompt
+from thermostat.server.protocol import Usage
+
+request_log = logging.getLogger("thermostat.requests")
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was complete; its requests were aborted."""
+
+
+@dataclass
+class Job:
+    id: str
+    endpoint: str
+    model: str
+    prompts: list[Prompt]
+    n: int
+    resolution: Resolution
+    stream: OutputStream
+    metrics: Metrics
+    arrival: float  # time.monotonic()
+    created: int = field(default_factory=lambda: int(time.time()))
+    finals: dict[int, RequestOutput] = field(default_factory=dict)
+    quality: dict[int, dict[str, Any]] = field(default_factory=dict)
+    first_token_s: float | None = None
+    num_generated: int = 0  # tokens generated so far, over all choices (aborted ones included)
+    _last_token: dict[int, float] = field(default_factory=dict)
+    _logged: bool = False
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def prompt_of(self, index: int) -> Prompt:
+        return self.prompts[index // self.n]
+
+    def usage(self) -> Usage:
+        prompt = sum(len(p.token_ids) for p in self.prompts)
+        completion = sum(len(o.token_ids) for o in self.finals.values())
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
+    def response_quality(self) -> dict[str, Any]:
+        """The response's `quality`: the first degenerate choice's report, else choice 0's."""
+        reports = [self.quality[i] for i in sorted(self.quality)]
+        flagged = [r for r in reports if r.get("degenerate")]
+        return (flagged or reports or [quality_report("")])[0]
+
+    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs as they come; on any exit the unfinished requests are aborted."""
+        status = "aborted"
+        try:
+            async for index, out in self.stream:
+                self._observe(index, out)
+                yield index, out
+            status = "ok"
+        except APIError:
+            status = "error"
+            raise
+        except Exception as exc:
+            status = "error"
+            raise classify(exc) from exc
+        finally:
+            self.stream.abort()
+            self._log(status)
+
+    async def collect(self, request: Request) -> dict[int, RequestOutput]:
+        """Run to completion (non-streaming); raises ClientGone if the client leaves first."""
+
+        async def run() -> dict[int, RequestOutput]:
+            async for _ in self.events():
+                pass
+            return self.finals
+
+        return await until_disconnected(run(), request)
+
+    def _observe(self, index: int, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if out.new_token_ids:
+            self.num_generated += len(out.new_token_ids)
+            self.metrics.generation_tokens.inc(len(out.new_token_ids))
+            last = self._last_token.get(index)
+            if last is None:
+                self.metrics.ttft.observe(now - self.arrival)
+                if self.first_token_s is None:
+                    self.first_token_s = now - self.arrival
+            else:
+                self.metrics.itl.observe(now - last)
+            self._last_token[index] = now
+        if out.finished:
+            self.finals[index] = out
+            report = quality_report(out.text)
+            self.quality[index] = report
+            self.metrics.on_quality(report)
+            if len(self.finals) == self.num_choices:
+                self.metrics.e2e.observe(now - self.arrival)
+
+    def _log(self, status: str) -> None:
+        if self._logged:
+            return
+        self._logged = True
+        sampling = self.resolution.to_dict()
+        usage = self.usage()
+        line = {
+            "id": self.id,
+            "endpoint": self.endpoint,
+            "model": self.model,
+            "status": status,
+            "n": self.n,
+            "effective": sampling["effective"],
+            "source": sampling["source"],
+            "adjusted": sampling["adjusted"],
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": self.num_generated,
+            "finish_reason": [self.finals[i].finish_reason for i in sorted(self.finals)],
+            "ttft_s": None if self.first_token_s is None else round(self.first_token_s, 4),
+            "latency_s": round(time.monotonic() - self.arrival, 4),
+        }
+        request_log.info(json.dumps(line))
+
+
+async def until_disconnected(work: Awaitable[T], request: Request) -> T:
+    """Await `work`, cancelling it (its finally-blocks abort engine requests) if the client
+    disconnects first or if this task itself is cancelled."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: only that message is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Serving:
+    """Checks and submits requests for one model: model name, queue room, resolution."""
+
+    def __init__(
+        self,
+        model: str,
+        engine: AsyncEngine,
+        defaults: SamplingDefaults,
+        metrics: Metrics,
+        max_queue: int | None,
+        retry_after_s: int,
+    ) -> None:
+        self.model = model
+        self.engine = engine
+        self.defaults = defaults
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.retry_after_s = retry_after_s
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model:
+            raise APIError(
+                404,
+                f"model {name!r} is not served here; this server serves {self.model!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def explain(self, model: str | None, params: SamplingParams) -> Resolution:
+        self.check_model(model)
+        return resolve(params, self.defaults)
+
+    async def submit(
+        self, endpoint: str, model: str | None, prompts: list[Prompt], params: SamplingParams
+    ) -> Job:
+        """Resolve and queue; raises APIError (4xx for bad input, 503 when the queue is full)
+        before anything is sent to the client."""
+        arrival = time.monotonic()
+        self.check_model(model)
+        if self.max_queue is not None and self.engine.num_waiting >= self.max_queue:
+            raise APIError(
+                503,
+                f"the server's queue is full ({self.engine.num_waiting} requests waiting); retry",
+                type="server_error",
+                code="queue_full",
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
+        prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+        job_id = f"{prefix}-{uuid.uuid4().hex}"
+        n = params.n or 1
+        try:
+            resolution = resolve(params, self.defaults)
+            inputs = [
+                EngineInput(f"{job_id}-{i}-{j}", prompt.token_ids, params, child)
+                for i, prompt in enumerate(prompts)
+                for j, child in enumerate(per_sample(resolution, n))
+            ]
+            stream = await self.engine.add(inputs)
+        except Exception as exc:  # refusals become 4xx; an engine that is down, a 500
+            if isinstance(exc, GreedyRejected):
+                self.metrics.adjustments.labels("greedy_reject").inc()
+            raise classify(exc) from exc
+        self.metrics.on_admitted(resolution, sum(len(p.token_ids) for p in prompts))
+        return Job(
+            job_id, endpoint, self.model, prompts, n, resolution, stream, self.metrics, arrival
+        )

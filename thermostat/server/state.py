@@ -1,0 +1,131 @@
+"""The server's lifecycle and what it holds once the model is loaded.
+
+    loading ──(model loaded)──► ready ──(SIGTERM / shutdown)──► draining
+        └──(load failed)──► failed
+
+The model loads in a worker thread after the app starts, so /health answers 503 while it does.
+The readiness log line is written once the model is loaded AND the socket is listening.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from thermostat.engine.llm_engine import LLMEngine
+from thermostat.engine.loader import load_model
+from thermostat.server.async_engine import AsyncEngine
+from thermostat.server.config import ServerConfig
+from thermostat.server.defaults import ServerDefaults
+from thermostat.server.logprobs import TokenText
+from thermostat.server.metrics import Metrics
+from thermostat.server.prompts import PromptBuilder
+from thermostat.server.serving import Serving
+
+log = logging.getLogger("thermostat.server")
+
+Status = Literal["loading", "ready", "draining", "failed"]
+
+
+class ServerState:
+    """The app's lifecycle status and, once loaded, the engine and what serves requests."""
+
+    def __init__(self, config: ServerConfig, model_dir: Path, defaults: ServerDefaults) -> None:
+        self.config = config
+        self.model_dir = model_dir
+        self.defaults = defaults
+        self.metrics = Metrics()
+        self.status: Status = "loading"
+        self.started = int(time.time())  # unix seconds; the model card's `created`
+        self.route_paths: set[str] = set()
+        self.address: str | None = None  # http://host:port once listening
+        self.on_fatal: Callable[[], None] = lambda: None  # asks the server process to exit
+        # Set once loaded:
+        self.engine: AsyncEngine | None = None
+        self.serving: Serving | None = None
+        self.prompts: PromptBuilder | None = None
+        self.tokens: TokenText | None = None
+        self.max_model_len = 0
+        self._load_task: asyncio.Task[None] | None = None
+        self._announced = False
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _app: Any) -> AsyncIterator[None]:
+        self.report()
+        self._load_task = asyncio.create_task(self._load())
+        try:
+            yield
+        finally:
+            await self.shutdown()
+
+    def report(self) -> None:
+        """The startup report: sampling defaults with sources, then warnings. Logged once."""
+        log.info("sampling defaults\n%s", self.defaults.render_table().rstrip())
+        for warning in self.defaults.warnings():
+            log.warning("sampling: %s", warning)
+
+    async def _load(self) -> None:
+        cfg = self.config.engine
+        log.info("loading %s", self.model_dir)
+        try:
+            loaded = await asyncio.to_thread(
+                load_model, self.model_dir, cfg.dtype, cfg.max_model_len
+            )
+            engine = await asyncio.to_thread(LLMEngine, cfg, self.defaults.defaults, loaded)
+        except Exception:
+            log.exception("the model could not be loaded; exiting")
+            self.status = "failed"
+            self.on_fatal()
+            return
+        self.engine = AsyncEngine(engine)
+        self.engine.start()
+        self.prompts = PromptBuilder(loaded.tokenizer)
+        self.tokens = TokenText(loaded.tokenizer)
+        self.max_model_len = engine.max_model_len
+        self.serving = Serving(
+            self.defaults.model,
+            self.engine,
+            self.defaults.defaults,
+            self.metrics,
+            self.config.max_queue,
+            self.config.retry_after_s,
+        )
+        if self.status == "loading":
+            self.status = "ready"
+        self._announce()
+
+    def mark_listening(self, address: str) -> None:
+        self.address = address
+        self._announce()
+
+    def _announce(self) -> None:
+        if self.status == "ready" and self.address and not self._announced:
+            self._announced = True
+            log.info(
+                "ready: serving %r at %s (OpenAI API under %s/v1)",
+                self.defaults.model,
+                self.address,
+                self.address,
+            )
+
+    def begin_draining(self) -> None:
+        if self.status in ("loading", "ready"):
+            self.status = "draining"
+            log.info("draining: refusing new requests, finishing those in flight")
+
+    async def shutdown(self) -> None:
+        self.begin_draining()
+        if self._load_task is not None:
+            await self._load_task  # a load in a thread cannot be interrupted
+        if self.engine is not None:
+            if not await self.engine.drain(self.config.drain_timeout_s):
+                log.warning(
+                    "drain timed out with %d responses in flight", self.engine.num_in_flight
+                )
+            await self.engine.stop()
+            self.engine = None
