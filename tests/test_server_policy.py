@@ -12,7 +12,7 @@ import pytest
 from tests.conftest import write_model
 from tests.server_utils import running_server
 from thermostat.sampling import Policy
-from thermostat.server.sampling_spec import parse_sampling_spec
+from thermostat.sampling.spec import parse_sampling_spec
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 GENERIC = {"temperature": 1.0, "top_p": 1.0, "eos_token_id": 0}

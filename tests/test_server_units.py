@@ -10,8 +10,8 @@ import pytest
 from tests.conftest import write_model
 from thermostat.cli import main
 from thermostat.sampling import Policy
+from thermostat.sampling.spec import SpecError, parse_sampling_spec
 from thermostat.server.defaults import ServerDefaults
-from thermostat.server.sampling_spec import SpecError, parse_sampling_spec
 
 
 def test_spec_pairs_file_and_recommended(tmp_path):

@@ -39,11 +39,16 @@ class SamplingParamError(ValueError):
         self.param = param
 
 
+INT64 = (-(2**63), 2**63 - 1)  # integers become int64 tensors / generator seeds in the engine
+
+
 def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
     ok_types = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, ok_types):
         kind = "an integer" if integer else "a number"
         raise SamplingParamError(name, f"must be {kind}, got {value!r}")
+    if integer and not INT64[0] <= value <= INT64[1]:
+        raise SamplingParamError(name, f"must fit a signed 64-bit integer, got {value}")
 
 
 def validate_layered(name: str, value: Any) -> None:

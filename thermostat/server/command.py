@@ -13,10 +13,10 @@ import sys
 
 from thermostat.engine.config import EngineConfig
 from thermostat.sampling import Policy
+from thermostat.sampling.spec import parse_sampling_spec
 from thermostat.server.app import create_app
 from thermostat.server.config import ServerConfig
 from thermostat.server.launch import ThermostatServer
-from thermostat.server.sampling_spec import parse_sampling_spec
 
 HELP = "serve a model over the OpenAI API"
 EPILOG = """examples:

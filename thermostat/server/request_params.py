@@ -13,7 +13,6 @@ from thermostat.server.protocol import ChatCompletionRequest, CompletionRequest
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI and vLLM allow
 MAX_N = 128  # samples per prompt
-INT64 = (-(2**63), 2**63 - 1)  # seed and top_k become int64 tensors in the engine
 
 
 def to_sampling_params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
@@ -35,10 +34,6 @@ def to_sampling_params(body: ChatCompletionRequest | CompletionRequest) -> Sampl
             prompt_logprobs = logprobs
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise SamplingParamError(logprobs_field, f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
-    for name in ("seed", "top_k"):
-        value = getattr(body, name)
-        if value is not None and not INT64[0] <= value <= INT64[1]:
-            raise SamplingParamError(name, f"must fit a signed 64-bit integer, got {value}")
     if body.n is not None and body.n > MAX_N:
         raise SamplingParamError("n", f"must be at most {MAX_N}, got {body.n}")
     params = SamplingParams(
