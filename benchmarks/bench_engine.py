@@ -85,8 +85,11 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--model-dir", type=Path, default=None, help="reuse a written model")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     dtype = getattr(torch, args.dtype)
     model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="thermostat-bench-"))

@@ -142,22 +142,22 @@ class ModelRunner:
 
         nd = len(decodes)
         context_lens = torch.tensor([c.start + 1 for c in decodes], dtype=torch.int64)
-        width = int(context_lens.max()) if nd else 0
-        ctx_pos = torch.arange(width)
-        decode_slots = tables[:nd, ctx_pos // bs] * bs + ctx_pos % bs if nd else tables[:0, :0]
+        num_blocks = (int(context_lens.max()) + bs - 1) // bs if nd else 0
+        ctx_pos = torch.arange(num_blocks * bs)
         decode_mask = ctx_pos[None, :] < context_lens[:, None]
         if self.sliding_window is not None:
             decode_mask &= ctx_pos[None, :] > context_lens[:, None] - 1 - self.sliding_window
         prefills = []
         for i, c in enumerate(chunks[nd:], start=nd):
             q_len, ctx_len = len(c.token_ids), c.start + len(c.token_ids)
-            kv_pos = torch.arange(ctx_len)
-            slots = tables[i, kv_pos // bs] * bs + kv_pos % bs
-            prefills.append(PrefillSegment(q_len, slots, self._prefill_mask(c.start, q_len)))
+            table = tables[i : i + 1, : (ctx_len + bs - 1) // bs]
+            prefills.append(
+                PrefillSegment(q_len, ctx_len, table, self._prefill_mask(c.start, q_len))
+            )
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             num_decodes=nd,
-            decode_slots=decode_slots,
+            decode_block_tables=tables[:nd, :num_blocks],
             decode_mask=decode_mask[:, None, None, :],
             prefills=prefills,
         )

@@ -25,7 +25,8 @@ class PrefillSegment:
     attention over a fresh sequence."""
 
     q_len: int
-    context_slots: torch.Tensor  # [ctx_len] int64
+    ctx_len: int
+    block_table: torch.Tensor  # [1, nb] int64, covering ctx_len tokens
     mask: torch.Tensor | None
 
 
@@ -33,8 +34,8 @@ class PrefillSegment:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
     num_decodes: int
-    decode_slots: torch.Tensor  # [num_decodes, L] int64, padded with slot 0
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, L] bool, False on padding
+    decode_block_tables: torch.Tensor  # [num_decodes, nb] int64, padded with block 0
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, nb * block_size] bool, False past context
     prefills: list[PrefillSegment]
 
 
@@ -53,7 +54,7 @@ def paged_attention(
     nd = meta.num_decodes
     out = torch.empty_like(q) if meta.prefills else None
     if nd:
-        ck, cv = cache.gather(layer, meta.decode_slots)  # [nd, L, Hkv, D]
+        ck, cv = cache.gather(layer, meta.decode_block_tables)  # [nd, L, Hkv, D]
         o = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2),  # [nd, Hq, 1, D]
             ck.transpose(1, 2),
@@ -71,7 +72,8 @@ def paged_attention(
         if seg.mask is None and not cache.spec.quantized:
             ck, cv = k[start:end], v[start:end]  # fresh sequence: its context is the chunk
         else:
-            ck, cv = cache.gather(layer, seg.context_slots)
+            ck, cv = cache.gather(layer, seg.block_table)
+            ck, cv = ck[0, : seg.ctx_len], cv[0, : seg.ctx_len]
         o = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1),  # [Hq, q_len, D]
             ck.transpose(0, 1),
