@@ -1,21 +1,30 @@
 """Calibrate the degeneration detectors: false positives on healthy text, detection of loops.
 
-    .venv/bin/python benchmarks/calibrate_quality.py [--chunks 2000] [--seed 0] [--json]
+    .venv/bin/python benchmarks/calibrate_quality.py [--chunks 3000] [--seed 0] [--json]
 
 Healthy text is whatever this machine has: licences (/usr/share/common-licenses), Debian
 copyright files, the docstrings of the stdlib, `import this`, stdlib Python source, C headers
 (/usr/include), HTML documentation on disk (/usr/share/doc, Python installs, a sample of the
 Rust docs) and generated valid pages. Every document is cut into consecutive chunks of 200-1500
 characters at random positions (a generation stops anywhere), at most --chunks per corpus;
-complete HTML pages are also checked whole. Degenerate text is built from the same healthy text:
-loops of 1..40 tokens repeated 3..20 times at the end of a healthy prefix (sometimes cut off
-mid-cycle), character loops, symbol runs, "the the the", loops with a counter that changes
-every cycle, pages with pasted duplicate blocks, mismatched ids, dropped end tags; plus real
+HTML pages are also checked whole. Degenerate text is built from the same healthy text: loops
+of 1..40 tokens repeated 3..20 times at the end of a healthy prefix (cut off mid-cycle half of
+the time), character loops, symbol and number runs, "the the the", numbered lists that repeat
+their content, pages with pasted duplicate blocks, renamed ids, dropped end tags; plus real
 greedy generations from /tmp/greedy_samples.json (a JSON list of strings) when that file exists.
 
 Prints the false-positive rate per healthy corpus, the detection rate per degenerate kind, the
 extremes of each signal on healthy text (what the thresholds in `DetectorConfig` are read from),
 and the cost per call. --json prints the same numbers as JSON on stdout.
+
+Result (seed 0, --chunks 3000, DEFAULT config): 0 of 18,284 healthy chunks flagged (299
+licence, 3000 each of copyright files, docstrings, Python source, C headers, HTML on disk,
+2585 generated HTML) and 0 of 400 whole generated pages; token loops covering >= 40 tokens
+98.8% (the misses are cycles of numbers and punctuation only, left to the character view),
+every other degenerate kind 100%. Whole pages on disk are flagged 31 of 542 times, each a real
+error in the installed page (checked by hand): mdbook's `aria-describedby="searchresults-header"`
+whose element is `id="mdbook-searchresults-header"` (24 pages), duplicate ids in Node.js and
+Sphinx docs, `<h5>...</h3>` in nettle.html, a stray `</li>` in gcc's NEWS.html.
 """
 
 from __future__ import annotations
@@ -40,10 +49,10 @@ from rich.console import Console
 from rich.table import Table
 
 from thermostat.quality import DEFAULT, QualityReport, StreamingAnalyzer, measure
-from thermostat.quality.tokens import has_letter
-from thermostat.quality.verdict import judge
+from thermostat.quality.loops import is_language
+from thermostat.quality.verdict import Measurements, judge
 
-console = Console(stderr=True)
+console = Console(stderr=True, width=150)
 STDLIB = Path(os.__file__).parent
 RUST_DOCS = Path.home() / ".rustup/toolchains/stable-x86_64-unknown-linux-gnu/share/doc/rust/html"
 GREEDY_SAMPLES = Path("/tmp/greedy_samples.json")
@@ -217,19 +226,23 @@ def loop_cases(rng: random.Random, prose: list[str], n: int) -> Iterator[Case]:
         yield Case(kind, prefix + " " + loop, expect=covered >= 40)
 
 
-CHAR_UNITS = ["a", "ha", "ab", "xyz", "的", "ok", "<div>", "0x", "abc123", "Lo", "$a", "_0"]
-SYMBOL_UNITS = ["!", "=", "-=", "*", "..", "\n", "#", "~", "|-", "})", "\n\n", "  "]
+CHAR_UNITS = ["a", "ha", "ab", "xyz", "的", "ok", "<p>a", "0x", "abc123", "Lo", "$a", "é"]
+SYMBOL_UNITS = ["!", "=", "-=", "*", "..", "\n", "#", "~", "|-", "})", "\n\n", "  ", "?!", "<div>"]
+NUMBER_UNITS = ["0, ", "1", "0.", "12 ", "1 2 3 ", "00", "_0", "-1,\n"]
 
 
 def char_cases(rng: random.Random, prose: list[str], n: int) -> Iterator[Case]:
     for _ in range(n):
         prefix = next(chunks(rng.choice(prose), rng, 100, 800))
-        unit = rng.choice(CHAR_UNITS)
-        yield Case("char loop, 64-400 chars", prefix + unit * (rng.randint(64, 400) // len(unit)))
+        unit = rng.choice(CHAR_UNITS)  # repeated to cover at least the drawn length
+        loop = unit * -(-rng.randint(48, 400) // len(unit))
+        yield Case("char loop with a letter, 48-400 chars", prefix + loop)
         unit = rng.choice(SYMBOL_UNITS)
-        yield Case(
-            "symbol run, 240-600 chars", prefix + unit * (rng.randint(240, 600) // len(unit))
-        )
+        loop = unit * -(-rng.randint(160, 600) // len(unit))
+        yield Case("symbol/markup run, 160-600 chars", prefix + loop)
+        unit = rng.choice(NUMBER_UNITS)
+        loop = unit * -(-rng.randint(800, 2000) // len(unit))
+        yield Case("number run, 800-2000 chars", prefix + loop)
 
 
 def the_cases(rng: random.Random, n: int) -> Iterator[Case]:
@@ -239,13 +252,13 @@ def the_cases(rng: random.Random, n: int) -> Iterator[Case]:
 
 
 def counter_cases(rng: random.Random, prose: list[str], n: int) -> Iterator[Case]:
-    """Near-loops: a cycle of 5..30 tokens with a number that increments every cycle."""
+    """Counting loops: a cycle of 5..30 tokens with a number that increments every cycle."""
     for _ in range(n):
         prefix = next(chunks(rng.choice(prose), rng, 100, 800))
         unit = token_unit(rng, rng.choice(prose), rng.randint(5, 30))
-        repeats = rng.randint(8, 20)
+        repeats = rng.randint(12, 24)
         loop = "".join(f"Step {k}: {unit}\n" for k in range(1, repeats + 1))
-        yield Case("counting loop, 8-20 cycles", prefix + "\n" + loop)
+        yield Case("counting loop, 12-24 cycles", prefix + "\n" + loop)
 
 
 def html_cases(rng: random.Random, words: list[str], n: int) -> Iterator[Case]:
@@ -288,12 +301,15 @@ class Tally:
     seconds: float = 0.0
     max_seconds: float = 0.0
     examples: list[tuple[str, QualityReport]] = field(default_factory=list)
-    # spans of token cycles (exact or numbers aside) with a letter, repeats >= 3
-    loop_tokens: list[int] = field(default_factory=list)
-    char_chars: list[int] = field(default_factory=list)  # char cycles with a letter, repeats >= 3
-    symbol_chars: list[int] = field(default_factory=list)  # char cycles without, repeats >= 3
+    # the measurements each threshold is read from (cycles of language, unless named)
+    loop_tokens: list[int] = field(default_factory=list)  # exact token cycles, repeats >= 3
+    counting_repeats: list[int] = field(default_factory=list)  # counting cycles, any span
+    char_chars: list[int] = field(default_factory=list)  # char cycles, repeats >= 3
+    symbol_chars: list[int] = field(default_factory=list)  # ... symbols, markup, repeats >= 3
+    number_chars: list[int] = field(default_factory=list)  # ... with digits, repeats >= 3
     seq_rep: list[float] = field(default_factory=list)  # judged windows (enough tokens, words)
     compression: list[float] = field(default_factory=list)  # judged windows
+    compression_at_rep: list[float] = field(default_factory=list)  # ... with seq-rep-4 > max
 
     def add(self, text: str) -> QualityReport:
         start = time.perf_counter()
@@ -307,18 +323,31 @@ class Tally:
         self.flags.update(report.flags)
         if report.degenerate and len(self.examples) < 5:
             self.examples.append((text, report))
-        for c in (m.loop, m.counting_loop):
-            if c is not None and c.repeats >= DEFAULT.min_loop_repeats and has_letter(c.unit):
-                self.loop_tokens.append(c.span)
+        self._collect(m)
+        return report
+
+    def _collect(self, m: Measurements) -> None:
+        c = m.loop
+        if c is not None and c.repeats >= DEFAULT.min_loop_repeats and is_language(c.unit):
+            self.loop_tokens.append(c.span)
+        c = m.counting_loop
+        if c is not None and is_language(c.unit):
+            self.counting_repeats.append(c.repeats)
         c = m.char_loop
         if c is not None and c.repeats >= DEFAULT.min_char_loop_repeats:
-            (self.char_chars if has_letter(c.unit) else self.symbol_chars).append(c.span)
+            if is_language(c.unit):
+                self.char_chars.append(c.span)
+            elif any(ch.isdigit() for ch in c.unit):
+                self.number_chars.append(c.span)
+            else:
+                self.symbol_chars.append(c.span)
         g = m.ngrams
         if g.window >= DEFAULT.min_ngram_tokens and g.word_share >= DEFAULT.min_word_share:
             self.seq_rep.append(g.seq_rep_4)
             if m.compression_chars >= DEFAULT.min_compression_chars:
                 self.compression.append(m.compression_ratio)
-        return report
+                if g.seq_rep_4 > DEFAULT.max_seq_rep_4:
+                    self.compression_at_rep.append(m.compression_ratio)
 
     @property
     def rate(self) -> float:
@@ -326,15 +355,19 @@ class Tally:
 
     def extremes(self) -> dict[str, float | int | None]:
         top = lambda xs: max(xs) if xs else None  # noqa: E731
+        low = lambda xs: round(min(xs), 4) if xs else None  # noqa: E731
         q = lambda xs, p: round(float(np.quantile(xs, p)), 4) if xs else None  # noqa: E731
         return {
-            "max_loop_tokens_r3": top(self.loop_tokens),
-            "max_char_loop_chars_r3": top(self.char_chars),
-            "max_symbol_loop_chars_r3": top(self.symbol_chars),
-            "p99_seq_rep_4": q(self.seq_rep, 0.99),
-            "max_seq_rep_4": top(self.seq_rep),
-            "p01_compression": q(self.compression, 0.01),
-            "min_compression": min(self.compression) if self.compression else None,
+            "loop tokens": top(self.loop_tokens),
+            "counting repeats": top(self.counting_repeats),
+            "char loop chars": top(self.char_chars),
+            "symbol loop chars": top(self.symbol_chars),
+            "number loop chars": top(self.number_chars),
+            "seq-rep-4 p99": q(self.seq_rep, 0.99),
+            "seq-rep-4 max": top(self.seq_rep),
+            "compression p01": q(self.compression, 0.01),
+            "compression min": low(self.compression),
+            "compression min, rep": low(self.compression_at_rep),
         }
 
     def to_dict(self) -> dict:
@@ -367,15 +400,14 @@ def streaming_cost(texts: list[str], rng: random.Random) -> dict[str, float]:
 
 def build_corpora(
     rng: random.Random, limit: int
-) -> tuple[dict[str, list[str]], list[str], list[str]]:
+) -> tuple[dict[str, list[str]], dict[str, list[str]], list[str]]:
     """Healthy corpora (chunked), whole HTML pages, and plain prose to build loops from."""
     licences = unique_texts(Path("/usr/share/common-licenses").iterdir())
     copyright_files = unique_texts(Path("/usr/share/doc").glob("*/copyright"))
     sources = stdlib_sources()
     doc = docstrings(sources) + [zen()]
-    python = unique_texts(iter(rng.sample(sources, min(len(sources), 600))))
-    headers = sorted(p for p in Path("/usr/include").rglob("*.h") if p.is_file())
-    headers = unique_texts(iter(rng.sample(headers, min(len(headers), 1500))))
+    python = unique_texts(iter(sources))
+    headers = unique_texts(p for p in sorted(Path("/usr/include").rglob("*.h")) if p.is_file())
     machine_html = unique_texts(iter(html_files(rng, rust_sample=300)))
     words = sorted(set(WORDS_RE.findall(" ".join(licences))))
     generated = [generate_page(rng, words).html() for _ in range(400)]
@@ -388,8 +420,8 @@ def build_corpora(
         "HTML on disk": chunked(machine_html, rng, limit),
         "generated HTML": chunked(generated, rng, limit),
     }
-    whole_pages = machine_html + generated
-    return corpora, whole_pages, licences + doc + copyright_files
+    pages = {"whole pages, generated": generated, "whole pages on disk (as found)": machine_html}
+    return corpora, pages, licences + doc + copyright_files
 
 
 def degenerate_cases(rng: random.Random, prose: list[str], n: int) -> list[Case]:
@@ -429,7 +461,11 @@ def print_tables(healthy: list[Tally], kinds: list[Tally], stream: dict, show: i
             f"{1000 * h.max_seconds:.1f}",
         )
     console.print(t)
-    t = Table(title="Healthy extremes (thresholds sit beyond these; from DEFAULT config)")
+    t = Table(
+        title="Healthy extremes: the largest (smallest) value each threshold must stay beyond. "
+        "Cycles of language unless named; repeats >= 3 (counting: any); compression min, rep: "
+        "where seq-rep-4 is over its threshold"
+    )
     keys = list(healthy[0].extremes())
     t.add_column("corpus")
     for k in keys:
@@ -449,7 +485,7 @@ def print_tables(healthy: list[Tally], kinds: list[Tally], stream: dict, show: i
     )
     for h in healthy:
         for text, report in h.examples[:show]:
-            console.print(f"[bold]{h.name}[/] false positive: {report.reasons}")
+            console.print(f"[bold]{h.name}[/] flagged: {report.reasons}")
             console.print(repr(text[-300:]), markup=False)
 
 
@@ -473,11 +509,12 @@ def main() -> int:
             for text in texts:
                 tally.add(text)
         healthy.append(tally)
-    tally = Tally("whole HTML pages")
-    with console.status(f"{len(pages)} whole HTML pages"):
-        for text in pages:
-            tally.add(text)
-    healthy.append(tally)
+    for name, texts in pages.items():
+        tally = Tally(name)
+        with console.status(f"{name}: {len(texts)}"):
+            for text in texts:
+                tally.add(text)
+        healthy.append(tally)
     kinds: dict[str, Tally] = {}
     with console.status("degenerate cases"):
         for case in degenerate_cases(rng, prose, args.cases):

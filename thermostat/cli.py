@@ -4,7 +4,7 @@ A subcommand module exposes `HELP` (one line), `EPILOG` (examples), `add_argumen
 `run(args) -> int`; registering it is one line in COMMANDS. Exit status: 0 success, 1 a failure
 or finding at run time, 2 bad usage or configuration.
 
-Planned: verify URL, explain, diagnose, set-defaults MODEL_DIR, router, gateway.
+Planned: router, gateway.
 """
 
 from __future__ import annotations
@@ -16,7 +16,12 @@ from collections.abc import Sequence
 
 COMMANDS: dict[str, str] = {
     "serve": "thermostat.server.command",
-    "bench": "thermostat.tools.bench",
+    "verify": "thermostat.commands.verify",
+    "explain": "thermostat.commands.explain",
+    "diagnose": "thermostat.commands.diagnose",
+    "set-defaults": "thermostat.commands.set_defaults",
+    "analyze": "thermostat.quality.cli",
+    "bench": "thermostat.commands.bench",
 }
 
 

@@ -102,8 +102,8 @@ class Metrics:
 
     def on_quality(self, report: dict[str, Any]) -> None:
         if report.get("degenerate"):
-            for reason in report.get("signals") or {"unspecified": None}:
-                self.degenerate.labels(reason).inc()
+            for flag in report.get("flags") or ["unspecified"]:  # a small fixed set of names
+                self.degenerate.labels(flag).inc()
 
     def render(self, stats: EngineStats | None) -> bytes:
         if stats is not None:

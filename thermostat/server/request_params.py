@@ -15,6 +15,17 @@ MAX_LOGPROBS = 20  # alternatives per token, as OpenAI and vLLM allow
 MAX_N = 128  # samples per prompt
 
 
+def parse_body(raw: object) -> ChatCompletionRequest | CompletionRequest:
+    """A chat or completions body, as /v1/sampling/explain and `thermostat explain` read one:
+    with `prompt` it is a completions body, otherwise chat (its messages may be left out).
+    Raises ValueError for a non-object, pydantic's ValidationError for bad fields."""
+    if not isinstance(raw, dict):
+        raise ValueError("the body must be a JSON object")
+    if "prompt" in raw:
+        return CompletionRequest.model_validate(raw)
+    return ChatCompletionRequest.model_validate({"messages": []} | raw)
+
+
 def to_sampling_params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
     """Raises SamplingParamError (naming the field) for values no resolution could accept."""
     prompt_logprobs = None

@@ -22,7 +22,7 @@ from thermostat.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from thermostat.server.request_params import to_sampling_params
+from thermostat.server.request_params import parse_body, to_sampling_params
 from thermostat.server.state import ServerState
 
 router = APIRouter()
@@ -123,15 +123,12 @@ async def sampling_explain(request: Request) -> dict[str, Any]:
         raw = json.loads(await request.body())
     except json.JSONDecodeError as exc:
         raise APIError(400, f"malformed JSON body: {exc}", code="json_invalid") from exc
-    if not isinstance(raw, dict):
-        raise APIError(400, "the body must be a JSON object", code="invalid_body")
     try:
-        if "prompt" in raw:
-            body: ChatCompletionRequest | CompletionRequest = CompletionRequest.model_validate(raw)
-        else:
-            body = ChatCompletionRequest.model_validate({"messages": []} | raw)
+        body = parse_body(raw)
     except ValidationError as exc:
         raise validation_error(list(exc.errors())) from exc
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_body") from exc
     resolution = state.serving.explain(body.model, to_sampling_params(body))
     endpoint = "completions" if isinstance(body, CompletionRequest) else "chat"
     return {"model": state.defaults.model, "endpoint": endpoint, "sampling": resolution.to_dict()}

@@ -1,0 +1,204 @@
+"""`thermostat diagnose`: the case study's differential diagnosis as one command.
+
+The same prompts run across factors; each cell's degeneration rate is measured with
+`thermostat.quality`; the factor whose change turns degeneration on and off is named.
+
+| factor        | levels                                                                 |
+|---------------|------------------------------------------------------------------------|
+| decoding      | greedy (temperature 0), the resolved defaults, the family recommendation |
+| KV cache      | fp8_e4m3, full precision (local model only)                            |
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from thermostat.quality import analyze
+from thermostat.sampling.params import SamplingParams
+
+HELP = "find what makes a model degenerate: greedy decoding, KV cache quantization, or neither"
+EPILOG = """examples:
+  thermostat diagnose --model demo
+  thermostat diagnose --model ./my-model --prompts prompts.txt --max-tokens 300
+  thermostat diagnose --url http://127.0.0.1:8000 --model NAME     # decoding factor only
+
+exit status: 0 no degeneration found, 1 degeneration found (the cause is named), 2 bad usage.
+"""
+
+DEFAULT_PROMPTS = [
+    "The king looked out over the hall and said",
+    "It was late in the evening when the letter came",
+    "Once upon a time, in a village by the sea,",
+    "The first thing you should know about the old house is",
+    "She opened the door and saw",
+    "Here is a list of the things we need:",
+    "My lord, I have news from the north.",
+    "The committee met on Tuesday to discuss",
+]
+EFFECT = 0.25  # a factor explains degeneration when switching it moves the rate this much
+
+
+@dataclass
+class Cell:
+    decoding: str  # "greedy" | "defaults" | "recommended"
+    kv_cache: str  # "fp8_e4m3" | "full" | "remote"
+    generations: int
+    degenerate: int
+    example: str  # a reason from a degenerate generation, if any
+
+    @property
+    def rate(self) -> float:
+        return self.degenerate / self.generations if self.generations else 0.0
+
+
+def decoding_levels(recommended: dict | None, seed: int) -> dict[str, dict]:
+    """Sampling fields for each decoding level (fields omitted = server/engine defaults)."""
+    levels = {"greedy": {"temperature": 0.0}, "defaults": {"seed": seed}}
+    if recommended:
+        levels["recommended"] = dict(recommended) | {"seed": seed}
+    return levels
+
+
+def measure(
+    generate: Callable[[list[str], dict], list[str]], prompts: list[str], fields: dict
+) -> tuple[int, str]:
+    texts = generate(prompts, fields)
+    reports = [analyze(t) for t in texts]
+    bad = [r for r in reports if r.degenerate]
+    return len(bad), (bad[0].reasons[0] if bad and bad[0].reasons else "")
+
+
+def conclude(cells: list[Cell]) -> tuple[str, str]:
+    """(cause, explanation) from the per-cell rates."""
+
+    def rate(pred) -> float:
+        chosen = [c for c in cells if pred(c)]
+        return sum(c.degenerate for c in chosen) / max(sum(c.generations for c in chosen), 1)
+
+    greedy = rate(lambda c: c.decoding == "greedy")
+    sampled = rate(lambda c: c.decoding != "greedy")
+    fp8, full = rate(lambda c: c.kv_cache == "fp8_e4m3"), rate(lambda c: c.kv_cache == "full")
+    causes = []
+    if greedy - sampled >= EFFECT:
+        causes.append("greedy decoding")
+    if any(c.kv_cache == "full" for c in cells) and fp8 - full >= EFFECT:
+        causes.append("KV cache quantization")
+    summary = f"degeneration rate: greedy {greedy:.0%} vs sampled {sampled:.0%}" + (
+        f"; fp8 KV {fp8:.0%} vs full {full:.0%}" if any(c.kv_cache == "full" for c in cells) else ""
+    )
+    if causes:
+        return " and ".join(causes), summary
+    if max(greedy, sampled) >= EFFECT:
+        return (
+            "neither",
+            summary + ": degeneration does not follow either factor (look at the model or prompts)",
+        )
+    return "neither", summary + ": no degeneration found"
+
+
+def local_generator(model: str, kv_cache: str, max_tokens: int, options: dict):
+    from thermostat import LLM
+
+    llm = LLM(model, kv_cache_dtype=kv_cache, **options)
+
+    def generate(prompts: list[str], fields: dict) -> list[str]:
+        params = SamplingParams(max_tokens=max_tokens, **fields)
+        return [o.text for o in llm.generate(prompts, params)]
+
+    return llm, generate
+
+
+def remote_generator(url: str, model: str | None, api_key: str | None, max_tokens: int):
+    from thermostat.commands.verify import Client
+
+    client = Client(url, model, api_key, endpoint="completions")
+
+    def generate(prompts: list[str], fields: dict) -> list[str]:
+        return [client.complete(p, max_tokens=max_tokens, **fields)["text"] for p in prompts]
+
+    return client, generate
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="demo", help="model directory ('demo'), or name with --url")
+    p.add_argument("--url", help="diagnose a running server (decoding factor only)")
+    p.add_argument("--api-key")
+    p.add_argument("--prompts", type=Path, help="a text file, one prompt per line")
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    prompts = DEFAULT_PROMPTS
+    if args.prompts:
+        try:
+            prompts = [line for line in args.prompts.read_text().splitlines() if line.strip()]
+        except OSError as exc:
+            console.print(f"[red]error:[/] cannot read {args.prompts}: {exc}")
+            return 2
+        if not prompts:
+            console.print(f"[red]error:[/] {args.prompts} has no prompts")
+            return 2
+    cells: list[Cell] = []
+    try:
+        if args.url:
+            client, generate = remote_generator(
+                args.url,
+                args.model if args.model != "demo" else None,
+                args.api_key,
+                args.max_tokens,
+            )
+            setups = [("remote", generate, None)]
+        else:
+            from thermostat.sampling.recommendations import recommendation_for
+
+            setups = []
+            for kv in ("full", "fp8_e4m3"):
+                console.log(f"loading {args.model} with {kv} KV cache")
+                llm, generate = local_generator(
+                    args.model,
+                    "auto" if kv == "full" else kv,
+                    args.max_tokens,
+                    {"dtype": args.dtype},
+                )
+                rec = recommendation_for(llm.engine.loaded.config_dict)
+                setups.append((kv, generate, rec.values if rec else None))
+        for kv, generate, recommended in setups:
+            for level, fields in decoding_levels(recommended, args.seed).items():
+                console.log(f"{level} decoding, {kv} KV cache: {len(prompts)} prompts")
+                bad, example = measure(generate, prompts, fields)
+                cells.append(Cell(level, kv, len(prompts), bad, example))
+    except Exception as exc:  # a model that will not load, a server that will not answer
+        console.print(f"[red]error:[/] {exc}")
+        return 2
+    cause, explanation = conclude(cells)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "cause": cause,
+                    "explanation": explanation,
+                    "cells": [asdict(c) | {"rate": c.rate} for c in cells],
+                },
+                indent=2,
+            )
+        )
+    else:
+        table = Table(title="degeneration by factor")
+        for col in ("decoding", "KV cache", "degenerate", "example reason"):
+            table.add_column(col, overflow="fold")
+        for c in cells:
+            table.add_row(c.decoding, c.kv_cache, f"{c.degenerate}/{c.generations}", c.example)
+        Console().print(table)
+        Console().print(f"cause: [bold]{cause}[/] — {explanation}")
+    return 0 if all(c.degenerate == 0 for c in cells) else 1

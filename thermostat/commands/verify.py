@@ -1,0 +1,205 @@
+"""`thermostat verify URL`: check from the outside how a server samples.
+
+Works against any OpenAI-compatible server (Thermostat, a Thermostat gateway, vLLM, SGLang,
+llama.cpp). The checks:
+
+| check            | passes when                                                            |
+|------------------|------------------------------------------------------------------------|
+| default-sampling | two identical requests that omit temperature give different text       |
+| greedy           | temperature 0 twice gives the same text (a warning otherwise)          |
+| seed             | the same seed twice gives the same text (a warning otherwise)          |
+| degeneration     | text generated at the server's defaults does not loop or repeat        |
+| defaults         | informational: the server's reported defaults (GET /v1/sampling/defaults) |
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from thermostat.quality import analyze
+
+HELP = "check a running server's sampling from the outside (the case study's tests)"
+EPILOG = """examples:
+  thermostat verify http://127.0.0.1:8000
+  thermostat verify http://gpu-box:30001 --model deepseek-v4 --api-key "$KEY"
+  thermostat verify http://127.0.0.1:8080 --endpoint completions --json
+
+exit status: 0 healthy, 1 a check failed (e.g. the default decoding is greedy), 2 unreachable.
+"""
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "Describe the sea at dawn.",
+    "Tell me about the history of a small town.",
+    "Write a letter to an old friend.",
+]
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # "pass" | "warn" | "fail" | "info"
+    detail: str
+
+
+class Client:
+    """Minimal OpenAI-compatible client: one endpoint, bounded timeouts."""
+
+    def __init__(self, url: str, model: str | None, api_key: str | None, endpoint: str):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=120)
+        self.endpoint = endpoint
+        self.model = model or self._first_model()
+
+    def _first_model(self) -> str:
+        r = self.http.get("/v1/models")
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+
+    def complete(self, prompt: str, **fields: Any) -> dict:
+        """Returns {"text", "sampling" (or None), "finish_reason"}."""
+        body: dict[str, Any] = {"model": self.model, **fields}
+        if self.endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": prompt}]
+            path = "/v1/chat/completions"
+        else:
+            body["prompt"] = prompt
+            path = "/v1/completions"
+        r = self.http.post(path, json=body)
+        if r.status_code >= 400:
+            raise RuntimeError(f"{path} answered {r.status_code}: {r.text[:300]}")
+        data = r.json()
+        choice = data["choices"][0]
+        text = choice["message"]["content"] if self.endpoint == "chat" else choice["text"]
+        return {
+            "text": text or "",
+            "sampling": data.get("sampling"),
+            "finish_reason": choice.get("finish_reason"),
+        }
+
+    def reported_defaults(self) -> dict | None:
+        r = self.http.get("/v1/sampling/defaults")
+        return r.json() if r.status_code == 200 else None
+
+
+def check_default_sampling(client: Client, max_tokens: int) -> Check:
+    a = client.complete(PROMPTS[0], max_tokens=max_tokens)
+    b = client.complete(PROMPTS[0], max_tokens=max_tokens)
+    source = ""
+    if a["sampling"]:
+        eff, src = a["sampling"]["effective"], a["sampling"]["source"]
+        source = f" (temperature {eff['temperature']} from {src['temperature']})"
+    if a["text"] != b["text"]:
+        return Check("default-sampling", "pass", f"omitted temperature samples{source}")
+    return Check(
+        "default-sampling",
+        "fail",
+        "omitted temperature gives identical outputs: the server's default decoding is greedy"
+        f"{source}. Set the defaults on the server (thermostat: --sampling-defaults "
+        "recommended; others: fix generation_config.json with thermostat set-defaults) or "
+        "have the client send a temperature.",
+    )
+
+
+def check_greedy(client: Client, max_tokens: int) -> Check:
+    a = client.complete(PROMPTS[1], max_tokens=max_tokens, temperature=0)
+    b = client.complete(PROMPTS[1], max_tokens=max_tokens, temperature=0)
+    if a["text"] == b["text"]:
+        return Check("greedy", "pass", "temperature 0 is deterministic")
+    return Check("greedy", "warn", "temperature 0 twice gave different text (not deterministic)")
+
+
+def check_seed(client: Client, max_tokens: int) -> Check:
+    fields = {"max_tokens": max_tokens, "temperature": 1.0, "seed": 1234}
+    a, b = client.complete(PROMPTS[2], **fields), client.complete(PROMPTS[2], **fields)
+    if a["text"] == b["text"]:
+        return Check("seed", "pass", "the same seed reproduces the same text")
+    return Check("seed", "warn", "seed 1234 twice gave different text: seeds are not honoured")
+
+
+def check_degeneration(client: Client, max_tokens: int) -> Check:
+    flagged = []
+    for prompt in PROMPTS:
+        out = client.complete(prompt, max_tokens=max_tokens)
+        report = analyze(out["text"])
+        if report.degenerate:
+            flagged.append(f"{prompt[:30]!r}: {'; '.join(report.reasons)}")
+    if not flagged:
+        return Check(
+            "degeneration", "pass", f"{len(PROMPTS)} generations at the defaults look healthy"
+        )
+    return Check(
+        "degeneration",
+        "fail",
+        f"{len(flagged)}/{len(PROMPTS)} generations at the server's defaults degenerate: "
+        + " | ".join(flagged),
+    )
+
+
+def check_reported_defaults(client: Client) -> Check:
+    reported = client.reported_defaults()
+    if reported is None:
+        return Check("defaults", "info", "not reported (GET /v1/sampling/defaults unavailable)")
+    eff, src = reported["effective"], reported["source"]
+    parts = [f"{k}={eff[k]} ({src[k]})" for k in ("temperature", "top_p", "top_k") if k in eff]
+    status = "fail" if eff.get("temperature") == 0 else "info"
+    return Check("defaults", status, "; ".join(parts))
+
+
+def verify(client: Client, max_tokens: int) -> list[Check]:
+    return [
+        check_reported_defaults(client),
+        check_default_sampling(client, max_tokens),
+        check_greedy(client, max_tokens),
+        check_seed(client, max_tokens),
+        check_degeneration(client, 4 * max_tokens),
+    ]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", help="model name (default: the first of /v1/models)")
+    p.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
+    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    p.add_argument("--max-tokens", type=int, default=48, help="per request (x4 for the probe)")
+    p.add_argument("--json", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    try:
+        client = Client(args.url, args.model, args.api_key, args.endpoint)
+        checks = verify(client, args.max_tokens)
+    except (httpx.HTTPError, RuntimeError, KeyError, IndexError, json.JSONDecodeError) as exc:
+        console.print(f"[red]error:[/] cannot verify {args.url}: {exc}")
+        return 2
+    failed = any(c.status == "fail" for c in checks)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "url": args.url,
+                    "model": client.model,
+                    "healthy": not failed,
+                    "checks": [asdict(c) for c in checks],
+                },
+                indent=2,
+            )
+        )
+    else:
+        colors = {"pass": "green", "warn": "yellow", "fail": "red", "info": "cyan"}
+        table = Table(title=f"verify {args.url} (model {client.model})")
+        for col in ("check", "result", "detail"):
+            table.add_column(col, overflow="fold")
+        for c in checks:
+            table.add_row(c.name, f"[{colors[c.status]}]{c.status}[/]", c.detail)
+        Console().print(table)
+        Console().print("[red]unhealthy[/]" if failed else "[green]healthy[/]")
+    return 1 if failed else 0
