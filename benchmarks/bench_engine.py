@@ -98,7 +98,8 @@ def main() -> None:
         write_model(model_dir, "llama", dtype=dtype, **SMOLLM2_135M)
     bandwidth = copy_bandwidth_gbs()
     llm = LLM(str(model_dir), dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=2048)
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.loaded.model.parameters())
+    # bytes a decode step must read: every weight once (the tied embedding as the LM head)
+    weight_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     run_thermostat(llm, 2, argparse.Namespace(prompt_tokens=16, output_tokens=4))  # warm-up
     hf = None
     if not args.skip_transformers:

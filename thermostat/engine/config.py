@@ -17,6 +17,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; default: all cores
+    stop_on_loop: bool = False  # end a generation once its text certainly ends in a loop
 
     def __post_init__(self) -> None:
         checks = {

@@ -20,10 +20,16 @@ from thermostat.engine.outputs import RequestOutput
 from thermostat.engine.request import Request
 from thermostat.engine.sampler import TokenLogprobs
 from thermostat.engine.scheduler import Scheduler, SchedulerConfig
+from thermostat.quality.streaming import StreamingAnalyzer
 from thermostat.sampling.params import SamplingParamError, SamplingParams
 from thermostat.sampling.resolve import Resolution, SamplingDefaults, resolve
 
 log = logging.getLogger("thermostat.engine")
+
+# stop_reason of a generation ended by stop_on_loop. finish_reason stays "stop", which every
+# client understands (vLLM reports its own finish_reason "repetition", which clients map to
+# "stop"); the response's `quality` says which cycle it was.
+LOOP_STOP_REASON = "loop"
 
 
 @dataclass
@@ -36,6 +42,7 @@ class _Tracked:
     logprobs: list[TokenLogprobs] | None = None  # a list when the request asked for them
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # indexed by prompt position
     num_seen: int = 0  # output tokens already reported
+    loops: StreamingAnalyzer | None = None  # with stop_on_loop
 
     def __post_init__(self) -> None:
         eff = self.resolution.effective
@@ -148,7 +155,8 @@ class LLMEngine:
         detok = IncrementalDetokenizer(
             self.tokenizer, prompt_ids, eff.skip_special_tokens, eff.stop
         )
-        self._tracked[req_id] = _Tracked(req, resolution, detok)
+        loops = StreamingAnalyzer() if self.config.stop_on_loop else None
+        self._tracked[req_id] = _Tracked(req, resolution, detok, loops=loops)
         return req_id, resolution
 
     def abort(self, req_id: str) -> None:
@@ -194,9 +202,11 @@ class LLMEngine:
             if token in req.stop_ids:
                 continue  # a stop/EOS token ends the text without appearing in it
             delta += t.detok.add(token)
-        if t.detok.stop_reason is not None and not req.finished:
-            self.scheduler.finish(req, "stop")
         stop_reason: str | int | None = t.detok.stop_reason
+        if stop_reason is None and t.loops is not None and t.loops.update(delta).loop_detected:
+            stop_reason = LOOP_STOP_REASON
+        if stop_reason is not None and not req.finished:
+            self.scheduler.finish(req, "stop")
         if req.finished:
             delta += t.detok.flush()
             if stop_reason is None and req.finish_reason == "stop":

@@ -58,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-model-len", type=int, help="default: the model's context length")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--num-threads", type=int, help="torch threads (default: all cores)")
+    e.add_argument(
+        "--stop-on-loop",
+        action="store_true",
+        help="end a generation once it certainly loops (finish_reason stop, stop_reason loop)",
+    )
     s = p.add_argument_group("sampling")
     s.add_argument(
         "--sampling-defaults",
@@ -106,6 +111,7 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         num_threads=args.num_threads,
+        stop_on_loop=args.stop_on_loop,
     )
     return ServerConfig(
         engine=engine,
