@@ -34,12 +34,18 @@ RECOMMENDATIONS: dict[str, Recommendation] = {
     # Llama-3.x-Instruct generation_config.json as published by Meta.
     "llama": Recommendation("llama", {"temperature": 0.6, "top_p": 0.9},
                             "Llama-3.x-Instruct generation_config.json"),
+    # Thermostat's bundled demo model: measured by tools/demo_sweep.py (the lowest loop rate
+    # among settings whose text stays close to the corpus; table in the model card).
+    "thermostat-demo": Recommendation("thermostat-demo", {"temperature": 0.9, "top_p": 0.8},
+                                      "thermostat/models/demo/README.md, sampling sweep"),
 }
 # fmt: on
 
 
 def detect_family(config: dict[str, Any]) -> str | None:
     """The family key of RECOMMENDATIONS that a HF config.json belongs to, if any."""
+    if config.get("thermostat_family") in RECOMMENDATIONS:  # set by Thermostat's own models
+        return config["thermostat_family"]
     model_type = str(config.get("model_type", "")).lower()
     if model_type.startswith("deepseek"):
         return "deepseek"

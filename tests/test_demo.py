@@ -1,0 +1,96 @@
+"""The bundled demo model: a real checkpoint that writes words, loops under greedy decoding,
+and serves with no arguments."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.test_server_lifecycle import free_port
+from thermostat import LLM, SamplingParams
+from thermostat.cli import main
+from thermostat.engine.loader import DEMO_MODEL_DIR
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = ["The king looked out over the hall and said", "ROMEO.", "My lord, I have news"]
+
+
+@pytest.fixture(scope="module")
+def demo() -> LLM:
+    return LLM("demo", dtype="float32", stop_on_loop=False)
+
+
+def test_demo_greedy_equals_transformers(demo):
+    hf = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32).eval()
+    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
+    for prompt, out in zip(PROMPTS, demo.generate(PROMPTS, params), strict=True):
+        ids = torch.tensor([demo.tokenizer.encode(prompt)])
+        ref = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=24,
+            min_new_tokens=24,
+        )
+        assert out.token_ids == ref[0, ids.shape[1] :].tolist()
+        assert sum(c.isalpha() for c in out.text) > len(out.text) / 2  # words, not noise
+
+
+def test_demo_generation_config_carries_the_generic_values_of_the_case(demo):
+    out = demo.generate("ROMEO.", SamplingParams(max_tokens=4))[0]
+    assert out.sampling["source"]["temperature"] == "generation_config"
+    assert out.sampling["effective"]["temperature"] == 1.0
+    assert out.sampling["effective"]["top_p"] == 1.0
+
+
+def test_stop_on_loop_ends_greedy_loops_early():
+    llm = LLM("demo", stop_on_loop=True)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=300))
+    looped = [o for o in outs if o.completions[0].stop_reason == "loop"]
+    assert looped, [o.text[-80:] for o in outs]
+    for o in looped:
+        assert o.finish_reason == "stop" and len(o.token_ids) < 300
+
+
+def test_diagnose_names_greedy_decoding(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS + ["It was late in the evening when"]) + "\n")
+    code = main(["diagnose", "--model", "demo", "--prompts", str(prompts), "--max-tokens", "200"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "cause: greedy decoding" in " ".join(out.split())
+
+
+def test_serve_with_no_arguments_uses_the_demo_model():
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "thermostat.cli", "serve", "--port", str(port)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline, ready = time.monotonic() + 120, False
+        while not ready and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                ready = httpx.get(f"{url}/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert ready
+        models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+        assert models[0]["id"] == "demo"
+        body = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["sampling"]["source"]["temperature"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
