@@ -3,6 +3,8 @@ and serves with no arguments."""
 
 from __future__ import annotations
 
+import json
+import logging
 import signal
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.server_utils import running_server
 from tests.test_server_lifecycle import free_port
 from thermostat import LLM, SamplingParams
 from thermostat.cli import main
@@ -94,3 +97,21 @@ def test_serve_with_no_arguments_uses_the_demo_model():
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+def test_server_stops_a_greedy_loop_and_reports_it(caplog):
+    caplog.set_level(logging.INFO, logger="thermostat.requests")
+    with running_server(DEMO_MODEL_DIR, stop_on_loop=True) as server:
+        messages = [{"role": "user", "content": "My lord, I have news from the north."}]
+        r = server.client().chat.completions.create(
+            model=server.model, messages=messages, temperature=0, max_tokens=300
+        )
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and choice.stop_reason == "loop"
+    assert r.usage.completion_tokens < 300
+    assert r.quality["degenerate"] and "loop" in r.quality["flags"]
+    assert "ends in a loop" in r.quality["reasons"][0]
+    assert 'thermostat_degenerate_responses_total{reason="loop"} 1.0' in metrics
+    lines = [json.loads(x.getMessage()) for x in caplog.records if x.name == "thermostat.requests"]
+    assert lines[-1]["degenerate"] == [r.quality["flags"]]

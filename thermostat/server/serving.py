@@ -150,6 +150,7 @@ class Job:
             "prompt_tokens": usage.prompt_tokens,
             "completion_tokens": self.num_generated,
             "finish_reason": [self.finals[i].finish_reason for i in sorted(self.finals)],
+            "degenerate": [self.quality[i]["flags"] for i in sorted(self.quality)],
             "ttft_s": None if self.first_token_s is None else round(self.first_token_s, 4),
             "latency_s": round(time.monotonic() - self.arrival, 4),
         }
