@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tests.conftest import hf_greedy
 from tests.server_utils import running_server
 from tests.test_server_lifecycle import free_port
 from thermostat import LLM, SamplingParams
@@ -35,15 +36,7 @@ def test_demo_greedy_equals_transformers(demo):
     hf = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32).eval()
     params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
     for prompt, out in zip(PROMPTS, demo.generate(PROMPTS, params), strict=True):
-        ids = torch.tensor([demo.tokenizer.encode(prompt)])
-        ref = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=24,
-            min_new_tokens=24,
-        )
-        assert out.token_ids == ref[0, ids.shape[1] :].tolist()
+        assert out.token_ids == hf_greedy(hf, demo.tokenizer.encode(prompt), 24)
         assert sum(c.isalpha() for c in out.text) > len(out.text) / 2  # words, not noise
 
 

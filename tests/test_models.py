@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import CONFIGS, hf_model, write_model
+from tests.conftest import CONFIGS, hf_greedy, hf_model, write_model
 from thermostat import LLM, SamplingParams
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11], [200, 201, 202, 203] * 9, [64, 3, 8, 150, 77, 31]]
@@ -40,14 +40,5 @@ def test_greedy_matches_transformers_generate(checkpoint):
     params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
     outs = llm.generate(PROMPTS, params)  # different lengths, submitted together
     for prompt, out in zip(PROMPTS, outs, strict=True):
-        ids = torch.tensor([prompt])
-        ref = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=24,
-            min_new_tokens=24,
-            pad_token_id=0,
-        )
-        assert out.token_ids == ref[0, len(prompt) :].tolist()
+        assert out.token_ids == hf_greedy(hf, prompt, 24)
         assert out.finish_reason == "length"

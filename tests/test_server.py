@@ -110,25 +110,21 @@ def test_stream_agrees_with_non_stream(server, client):
 
 
 def test_n_seed_stop_and_max_completion_tokens(server, client):
-    r = client.chat.completions.create(
-        model=server.model,
-        messages=CHAT,
-        n=3,
-        seed=7,
-        max_completion_tokens=6,
-        extra_body={"ignore_eos": True},
-    )
+    def three_seeded():
+        return client.chat.completions.create(
+            model=server.model,
+            messages=CHAT,
+            n=3,
+            seed=7,
+            max_completion_tokens=6,
+            extra_body={"ignore_eos": True},
+        )
+
+    r = three_seeded()
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert all(c.finish_reason == "length" for c in r.choices)
     assert r.usage.completion_tokens == 18 and r.sampling["effective"]["max_tokens"] == 6
-    again = client.chat.completions.create(
-        model=server.model,
-        messages=CHAT,
-        n=3,
-        seed=7,
-        max_completion_tokens=6,
-        extra_body={"ignore_eos": True},
-    )
+    again = three_seeded()
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
 
     greedy = dict(
