@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM
 
-from thermostat import LLM, SamplingParams
+from thermostat import LLM, SamplingParams, kernels
 from thermostat.random_model import SMOLLM2_135M, write_model
 
 console = Console(stderr=True)
@@ -86,6 +86,7 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=None, help="reuse a written model")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--no-kernels", action="store_true", help="the pure-PyTorch path")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.threads:
@@ -97,7 +98,14 @@ def main() -> None:
         console.log(f"writing a random SmolLM2-135M-shaped model to {model_dir}")
         write_model(model_dir, "llama", dtype=dtype, **SMOLLM2_135M)
     bandwidth = copy_bandwidth_gbs()
-    llm = LLM(str(model_dir), dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=2048)
+    llm = LLM(
+        str(model_dir),
+        dtype=args.dtype,
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        cpu_kernels=not args.no_kernels,
+    )
+    kernel_state = "off (--no-kernels)" if args.no_kernels else kernels.status()
     # bytes a decode step must read: every weight once (the tied embedding as the LM head)
     weight_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     run_thermostat(llm, 2, argparse.Namespace(prompt_tokens=16, output_tokens=4))  # warm-up
@@ -120,6 +128,7 @@ def main() -> None:
     result = {
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
+        "cpu_kernels": kernel_state,
         "copy_bandwidth_gbs": bandwidth,
         "weight_bytes": weight_bytes,
         "bandwidth_bound_tok_s": bound,
@@ -128,7 +137,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    table = Table(title=f"SmolLM2-135M-shaped, {args.dtype}, {torch.get_num_threads()} threads")
+    table = Table(
+        title=f"SmolLM2-135M-shaped, {args.dtype}, {torch.get_num_threads()} threads, "
+        f"CPU kernels {kernel_state}"
+    )
     for col in ("batch", "thermostat tok/s", "transformers tok/s", "ratio", "TTFT ours / hf (s)"):
         table.add_column(col, justify="right")
     for row in rows:

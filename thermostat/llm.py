@@ -100,7 +100,7 @@ class LLM:
         from thermostat.engine.loader import load_model
 
         config = EngineConfig(model=str(model), **engine_options)
-        loaded = load_model(config.model, config.dtype, config.max_model_len)
+        loaded = load_model(config.model, config.dtype, config.max_model_len, config.cpu_kernels)
         defaults = build_sampling_defaults(
             loaded.generation_config.values,
             loaded.config_dict,

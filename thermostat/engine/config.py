@@ -18,6 +18,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; default: all cores
     stop_on_loop: bool = False  # end a generation once its text certainly ends in a loop
+    cpu_kernels: bool = True  # compiled decode kernels where the CPU has them (thermostat.kernels)
 
     def __post_init__(self) -> None:
         checks = {

@@ -97,6 +97,16 @@ class PagedKVCache:
         _slots(store).index_copy_(0, slots, quantized)
         _slots(scales).index_copy_(0, slots, scale)
 
+    def kernel_readable(self, compute_dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether the compiled decode-attention kernel reads this cache in place: fp8 bytes or
+        the compute dtype itself, head_dim a multiple of 16 up to 256."""
+        same = self.spec.quantized or self.spec.dtype == compute_dtype
+        return same and head_dim % 16 == 0 and head_dim <= 256
+
+    def layer_storage(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """(key, value, key_scale, value_scale) of a layer as stored (scales empty unless fp8)."""
+        return self.key[layer], self.value[layer], self.key_scale[layer], self.value_scale[layer]
+
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the blocks in `block_tables` [B, nb] as [B, nb * block_size, Hkv, D] in
         the compute dtype (token t of a sequence at index t)."""

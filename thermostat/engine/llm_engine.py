@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from thermostat import kernels
 from thermostat.engine.block_manager import BlockManager
 from thermostat.engine.config import EngineConfig
 from thermostat.engine.detokenizer import IncrementalDetokenizer
@@ -62,7 +63,9 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.loaded = loaded or load_model(config.model, config.dtype, config.max_model_len)
+        self.loaded = loaded or load_model(
+            config.model, config.dtype, config.max_model_len, config.cpu_kernels
+        )
         self.tokenizer = self.loaded.tokenizer
         self.sampling_defaults = sampling_defaults or SamplingDefaults(
             generation_config=self.loaded.generation_config.values
@@ -93,13 +96,14 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         log.info(
-            "engine ready: %s (%s, %s), KV cache %d blocks x %d tokens (%s)",
+            "engine ready: %s (%s, %s), KV cache %d blocks x %d tokens (%s), CPU kernels %s",
             self.loaded.path,
             arch.architecture,
             self.loaded.dtype,
             num_blocks,
             config.block_size,
             spec.dtype,
+            kernels.status() if config.cpu_kernels else "off (cpu_kernels=False)",
         )
 
     @property

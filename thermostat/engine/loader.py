@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
+from thermostat import kernels
 from thermostat.models.llama import LlamaFamilyModel, ModelArch
 from thermostat.sampling.generation_config import (
     GenerationConfigDefaults,
@@ -98,8 +99,13 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    model: str | Path, dtype: str = "auto", max_model_len: int | None = None
+    model: str | Path,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    cpu_kernels: bool = True,
 ) -> LoadedModel:
+    """`cpu_kernels`: use thermostat.kernels where this machine can run them (else, or when
+    False, the pure-PyTorch path)."""
     path = resolve_model_path(model)
     try:
         config = AutoConfig.from_pretrained(path)
@@ -111,7 +117,8 @@ def load_model(
         raise ModelLoadError(str(exc)) from exc
     torch_dtype = resolve_dtype(dtype, config)
     limit = min(max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
-    net = LlamaFamilyModel(arch, config, torch_dtype, max_positions=limit)
+    ops = kernels.ops() if cpu_kernels else None
+    net = LlamaFamilyModel(arch, config, torch_dtype, max_positions=limit, kernels=ops)
     try:
         net.load_weights(iter_tensors(weight_files(path)))
     except ValueError as exc:

@@ -157,9 +157,11 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             num_decodes=nd,
-            decode_block_tables=tables[:nd, :num_blocks],
+            decode_block_tables=tables[:nd, :num_blocks].contiguous(),
+            decode_context_lens=context_lens,
             decode_mask=decode_mask[:, None, None, :],
             prefills=prefills,
+            sliding_window=self.sliding_window,
         )
         return torch.tensor(input_ids, dtype=torch.int64), pos, meta
 

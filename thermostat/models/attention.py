@@ -11,6 +11,7 @@ Token order in a step's flat batch (T tokens):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +36,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
     num_decodes: int
     decode_block_tables: torch.Tensor  # [num_decodes, nb] int64, padded with block 0
+    decode_context_lens: torch.Tensor  # [num_decodes] int64, the new token included
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, nb * block_size] bool, False past context
     prefills: list[PrefillSegment]
+    sliding_window: int | None = None
 
 
 def paged_attention(
@@ -47,22 +50,27 @@ def paged_attention(
     cache: PagedKVCache,
     meta: AttentionMetadata,
     scale: float,
+    kernels: ModuleType | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Writes k/v into the cache, then
-    attends each token to its sequence's context. Returns [T, Hq, D]."""
+    attends each token to its sequence's context. Returns [T, Hq, D]. Decodes run in the
+    compiled kernel when there is one (it reads the blocks in place); otherwise their blocks are
+    gathered for SDPA. Prefill chunks always use SDPA."""
     cache.write(layer, k, v, meta.slot_mapping)
     nd = meta.num_decodes
     out = torch.empty_like(q) if meta.prefills else None
     if nd:
-        ck, cv = cache.gather(layer, meta.decode_block_tables)  # [nd, L, Hkv, D]
-        o = F.scaled_dot_product_attention(
-            q[:nd].unsqueeze(2),  # [nd, Hq, 1, D]
-            ck.transpose(1, 2),
-            cv.transpose(1, 2),
-            attn_mask=meta.decode_mask,
-            scale=scale,
-            enable_gqa=True,
-        ).squeeze(2)
+        if kernels is not None and cache.kernel_readable(q.dtype, q.shape[-1]):
+            o = kernels.decode_attention(
+                q[:nd].contiguous(),
+                *cache.layer_storage(layer),
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                scale,
+                meta.sliding_window or 0,
+            )
+        else:
+            o = _sdpa_decode(q[:nd], layer, cache, meta, scale)
         if out is None:
             return o  # a pure decode batch
         out[:nd] = o
@@ -86,3 +94,16 @@ def paged_attention(
         out[start:end] = o.transpose(0, 1)
         start = end
     return out
+
+
+def _sdpa_decode(q, layer, cache, meta, scale) -> torch.Tensor:
+    """[nd, Hq, D] attention of one token per sequence over its gathered blocks."""
+    ck, cv = cache.gather(layer, meta.decode_block_tables)  # [nd, L, Hkv, D]
+    return F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [nd, Hq, 1, D]
+        ck.transpose(1, 2),
+        cv.transpose(1, 2),
+        attn_mask=meta.decode_mask,
+        scale=scale,
+        enable_gqa=True,
+    ).squeeze(2)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -83,21 +84,34 @@ class ModelArch:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """RMSNorm accumulating in float32 and rounding once (transformers rounds to the model dtype
+    once more before scaling: identical in float32, within an ulp in bfloat16)."""
+
+    def __init__(self, dim: int, eps: float, kernels: ModuleType | None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = kernels if dim % 16 == 0 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused op, accumulating in float32 (transformers rounds to the model dtype once
-        # more before scaling: identical in float32, within an ulp in bfloat16).
+        if self.kernels is not None and x.dim() == 2:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += x (in place, rounded to the dtype as `residual + x` is); returns
+        norm(residual)."""
+        if self.kernels is not None:
+            return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        residual.add_(x)
+        return F.rms_norm(residual, self.weight.shape, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, layer: int) -> None:
+    def __init__(self, arch: ModelArch, layer: int, kernels: ModuleType | None) -> None:
         super().__init__()
         self.layer = layer
+        self.kernels = kernels
         self.num_heads, self.num_kv_heads, self.head_dim = (
             arch.num_heads,
             arch.num_kv_heads,
@@ -109,8 +123,8 @@ class Attention(nn.Module):
             arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
-        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, None) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, None) if arch.qk_norm else None
         self.scale = arch.head_dim**-0.5
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
@@ -122,9 +136,9 @@ class Attention(nn.Module):
             qk = torch.cat(
                 [self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1
             )
-        qk = apply_rotary(qk, cos, sin)  # q and k heads together: one pass
+        qk = apply_rotary(qk, cos, sin, self.kernels)  # q and k heads together: one pass
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        o = paged_attention(q, k, v, self.layer, cache, meta, self.scale)
+        o = paged_attention(q, k, v, self.layer, cache, meta, self.scale, self.kernels)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -141,25 +155,43 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, layer: int) -> None:
+    def __init__(self, arch: ModelArch, layer: int, kernels: ModuleType | None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, layer)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
+        self.self_attn = Attention(arch, layer, kernels)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
         self.mlp = MLP(arch)
 
-    def forward(self, x, cos, sin, meta, cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, meta, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to `residual` (None before the first
+        layer, where x is the embedding). Returns (this layer's output, residual): the residual
+        stream is updated in place, each add fused with the norm that follows it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos, sin, meta, cache)
+        h = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaFamilyModel(nn.Module):
-    def __init__(self, arch: ModelArch, config, dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(
+        self,
+        arch: ModelArch,
+        config,
+        dtype: torch.dtype,
+        max_positions: int,
+        kernels: ModuleType | None = None,
+    ) -> None:
+        """`kernels`: thermostat.kernels.ops() to run norms, rotary and decode attention in the
+        compiled kernels; None for the pure-PyTorch path."""
         super().__init__()
         self.arch = arch
+        self.kernels = kernels
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, kernels) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -176,10 +208,10 @@ class LlamaFamilyModel(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         cos, sin = self.rotary.tables(positions)
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, cos, sin, meta, cache)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, meta, cache)
+        return self.norm.add_forward(x, residual)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -222,7 +254,7 @@ class LlamaFamilyModel(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint: missing parameters {missing[:5]}")
-        pack_linears(self)
+        pack_linears(self, self.kernels)
 
     @staticmethod
     def _copy(params: dict, name: str, tensor: torch.Tensor, hf_name: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -40,12 +42,18 @@ class RotaryEmbedding:
         self.sin = (emb.sin() * scaling).to(dtype)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin as [T, 1, head_dim] for broadcasting over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos, sin of `positions` [T] as [T, head_dim]."""
+        return self.cos[positions], self.sin[positions]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D] rotated in the half-split layout Hugging Face checkpoints use."""
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: ModuleType | None = None
+) -> torch.Tensor:
+    """x: [T, H, D] rotated in the half-split layout Hugging Face checkpoints use; cos, sin:
+    [T, D]. With the compiled kernels x is rotated in place (and returned)."""
+    if kernels is not None and x.shape[-1] % 32 == 0 and x.stride(-1) == 1:
+        kernels.rotary_(x, cos, sin)
+        return x
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)

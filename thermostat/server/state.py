@@ -74,7 +74,7 @@ class ServerState:
         log.info("loading %s", self.model_dir)
         try:
             loaded = await asyncio.to_thread(
-                load_model, self.model_dir, cfg.dtype, cfg.max_model_len
+                load_model, self.model_dir, cfg.dtype, cfg.max_model_len, cfg.cpu_kernels
             )
             engine = await asyncio.to_thread(LLMEngine, cfg, self.defaults.defaults, loaded)
         except Exception:

@@ -1,0 +1,162 @@
+"""The compiled CPU kernels against the PyTorch paths they replace (which are themselves tested
+against transformers): same results within the dtype's rounding, and bad input is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from thermostat import kernels
+from thermostat.engine.kv_cache import KVCacheSpec, PagedKVCache
+from thermostat.models.attention import AttentionMetadata, _sdpa_decode
+from thermostat.models.rope import apply_rotary
+
+ops = kernels.ops()
+pytestmark = pytest.mark.skipif(ops is None, reason=f"CPU kernels {kernels.status()}")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_kernels_build_where_the_cpu_allows():
+    """On a CPU with the instruction sets, a failed build is a bug, not a silent fallback."""
+    if kernels.unavailable_reason() is None:
+        assert kernels.ops() is not None, kernels.status()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_fused_add(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 576, generator=g).to(dtype)
+    r = torch.randn(7, 576, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
+    want = F.rms_norm(x.float(), (576,), w.float(), 1e-6)
+    close(ops.rms_norm(x, w, 1e-6), want, dtype)
+
+    residual = r.clone()
+    got = ops.add_rms_norm(x, residual, w, 1e-6)
+    assert torch.equal(residual, r + x)  # the add rounds exactly like torch's
+    close(got, F.rms_norm((r + x).float(), (576,), w.float(), 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_a_strided_view(dtype):
+    g = torch.Generator().manual_seed(1)
+    t, heads, d = 5, 4, 64
+    qkv = torch.randn(t, heads * d + 32, generator=g).to(dtype)  # extra columns: a strided view
+    x = qkv[:, : heads * d].view(t, heads, d)
+    angles = torch.rand(t, d // 2, generator=g) * 6
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
+    want = apply_rotary(x.float(), cos.float(), sin.float())
+    tail = qkv[:, heads * d :].clone()
+    out = apply_rotary(x, cos, sin, ops)
+    assert out.data_ptr() == x.data_ptr()
+    close(x, want, dtype)
+    assert torch.equal(qkv[:, heads * d :], tail)  # nothing outside the view is touched
+
+
+def filled_cache(kv_dtype, compute_dtype, num_blocks=12, block_size=4, hkv=2, d=64, seed=2):
+    spec = KVCacheSpec(1, hkv, d, block_size, kv_dtype)
+    cache = PagedKVCache(spec, num_blocks, compute_dtype)
+    g = torch.Generator().manual_seed(seed)
+    n = num_blocks * block_size
+    k = torch.randn(n, hkv, d, generator=g).to(compute_dtype)
+    v = torch.randn(n, hkv, d, generator=g).to(compute_dtype)
+    cache.write(0, k, v, torch.arange(n))
+    return cache
+
+
+def decode_meta(tables: list[list[int]], lens: list[int], block_size: int, window=None):
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    ctx = torch.tensor(lens)
+    pos = torch.arange(width * block_size)
+    mask = pos[None, :] < ctx[:, None]
+    if window:
+        mask &= pos[None, :] > ctx[:, None] - 1 - window
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64),
+        num_decodes=len(lens),
+        decode_block_tables=bt,
+        decode_context_lens=ctx,
+        decode_mask=mask[:, None, None, :],
+        prefills=[],
+        sliding_window=window,
+    )
+
+
+@pytest.mark.parametrize(
+    "kv_dtype,compute_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.float8_e4m3fn, torch.bfloat16),
+        (torch.float8_e4m3fn, torch.float32),
+    ],
+)
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_attention_reads_blocks_in_place(kv_dtype, compute_dtype, window):
+    cache = filled_cache(kv_dtype, compute_dtype)
+    # scattered, shared and partly filled blocks; GQA with 3 query heads per KV head
+    tables = [[7, 2, 9], [0], [11, 3, 5, 1], [7, 2]]
+    lens = [10, 1, 16, 6]
+    meta = decode_meta(tables, lens, 4, window)
+    q = torch.randn(4, 6, 64, generator=torch.Generator().manual_seed(3)).to(compute_dtype)
+    want = _sdpa_decode(q.float(), 0, _as_float(cache), meta, 0.125)
+    got = ops.decode_attention(
+        q, *cache.layer_storage(0), meta.decode_block_tables, meta.decode_context_lens, 0.125,
+        window or 0,
+    )  # fmt: skip
+    close(got, want, compute_dtype)
+
+
+def _as_float(cache: PagedKVCache) -> PagedKVCache:
+    """The same cache contents, gathered in float32 (the reference path's dequantization)."""
+    view = PagedKVCache.__new__(PagedKVCache)
+    view.__dict__.update(cache.__dict__)
+    view.compute_dtype = torch.float32
+    return view
+
+
+def test_decode_attention_refuses_bad_tables():
+    cache = filled_cache(torch.float32, torch.float32)
+    q = torch.randn(1, 6, 64)
+    storage = cache.layer_storage(0)
+    with pytest.raises(ValueError, match="block id"):
+        ops.decode_attention(q, *storage, torch.tensor([[99]]), torch.tensor([3]), 1.0, 0)
+    with pytest.raises(ValueError, match="context length"):
+        ops.decode_attention(q, *storage, torch.tensor([[1]]), torch.tensor([5]), 1.0, 0)
+    with pytest.raises(ValueError, match="head shapes"):
+        ops.decode_attention(torch.randn(1, 5, 64), *storage, torch.tensor([[1]]),
+                             torch.tensor([3]), 1.0, 0)  # fmt: skip
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("k,n", [(576, 960), (100, 30), (33, 7), (64, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_bf16_few_rows(rows, k, n, bias):
+    g = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    got = ops.linear_bf16(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+
+
+def test_linear_bf16_refuses_bad_input():
+    w = torch.randn(8, 16).bfloat16()
+    with pytest.raises(ValueError, match="1 to 4 rows"):
+        ops.linear_bf16(torch.randn(5, 16).bfloat16(), w, None)
+    with pytest.raises(ValueError, match="weight"):
+        ops.linear_bf16(torch.randn(1, 12).bfloat16(), w, None)
+    with pytest.raises(ValueError, match="x must be"):
+        ops.linear_bf16(torch.randn(1, 16), w, None)
