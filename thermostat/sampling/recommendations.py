@@ -36,7 +36,7 @@ RECOMMENDATIONS: dict[str, Recommendation] = {
                             "Llama-3.x-Instruct generation_config.json"),
     # Thermostat's bundled demo model: measured by tools/demo_sweep.py (the lowest loop rate
     # among settings whose text stays close to the corpus; table in the model card).
-    "thermostat-demo": Recommendation("thermostat-demo", {"temperature": 0.8, "top_p": 0.95},
+    "thermostat-demo": Recommendation("thermostat-demo", {"temperature": 0.7, "top_p": 0.95},
                                       "thermostat/models/demo/README.md, sampling sweep"),
 }
 # fmt: on
