@@ -138,25 +138,31 @@ def test_decode_attention_refuses_bad_tables():
                              torch.tensor([3]), 1.0, 0)  # fmt: skip
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("k,n", [(576, 960), (100, 30), (33, 7), (64, 1)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 17, 32])
+@pytest.mark.parametrize("k,n", [(576, 960), (100, 30), (33, 7), (64, 1), (1536, 130)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_bf16_few_rows(rows, k, n, bias):
+def test_linear_vnni(rows, k, n, bias):
+    """1-2 rows take the vdpbf16ps path, more take AMX where this CPU has it."""
+    if rows > ops.vnni_max_rows():
+        pytest.skip(f"this machine's kernel takes {ops.vnni_max_rows()} rows (no AMX)")
     g = torch.Generator().manual_seed(rows * 1000 + k + n)
     x = torch.randn(rows, k, generator=g).bfloat16()
     w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
     want = F.linear(x.float(), w.float(), None if b is None else b.float())
-    got = ops.linear_bf16(x, w, b)
+    got = ops.linear_vnni(x, ops.pack_vnni(w), n, b)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
 
 
-def test_linear_bf16_refuses_bad_input():
-    w = torch.randn(8, 16).bfloat16()
-    with pytest.raises(ValueError, match="1 to 4 rows"):
-        ops.linear_bf16(torch.randn(5, 16).bfloat16(), w, None)
-    with pytest.raises(ValueError, match="weight"):
-        ops.linear_bf16(torch.randn(1, 12).bfloat16(), w, None)
+def test_linear_vnni_refuses_bad_input():
+    w = ops.pack_vnni(torch.randn(8, 64).bfloat16())
+    too_many = ops.vnni_max_rows() + 1
+    with pytest.raises(ValueError, match="rows on this machine"):
+        ops.linear_vnni(torch.randn(too_many, 64).bfloat16(), w, 8, None)
+    with pytest.raises(ValueError, match="does not match"):
+        ops.linear_vnni(torch.randn(1, 12).bfloat16(), w, 8, None)
     with pytest.raises(ValueError, match="x must be"):
-        ops.linear_bf16(torch.randn(1, 16), w, None)
+        ops.linear_vnni(torch.randn(1, 64), w, 8, None)
+    with pytest.raises(ValueError, match="pack_vnni"):
+        ops.linear_vnni(torch.randn(1, 64).bfloat16(), torch.randn(8, 64).bfloat16(), 8, None)

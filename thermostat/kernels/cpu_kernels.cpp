@@ -8,7 +8,8 @@
 //   rotary_        in-place rotary embedding, half-split layout, over a strided [T, H, D] view
 //   decode_attention  one query token per sequence against its paged K/V, read in place through
 //                  the block table (no gather), GQA, sliding window, fp8_e4m3 with token scales
-//   linear_bf16    y = x W^T + b for a few rows of x (decode batches): streams W once
+//   linear_vnni    y = x W^T + b for decode batches, W packed once (pack_vnni): 1-2 rows with
+//                  bf16 dot products streaming W once, 3-32 rows with AMX tiles
 //
 // Every function checks its inputs and raises (a Python ValueError/RuntimeError) rather than
 // reading out of bounds. Threads: at::parallel_for, the same OpenMP pool as torch.
@@ -19,14 +20,18 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kLanes = 16;  // floats per 512-bit register
-constexpr int64_t kPrefetchBytes = 4096;  // how far ahead linear_bf16 prefetches weights
+constexpr int64_t kPrefetchBytes = 4096;  // how far ahead linear_vnni prefetches weights
 
 // ---------------------------------------------------------------- 16 elements <-> 16 floats
 
@@ -229,6 +234,16 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 
 // ---------------------------------------------------------------- paged decode attention
 
+constexpr int64_t kAheadTokens = 8;  // decode attention prefetches the K/V row this far ahead
+
+template <typename C>
+inline void prefetch_row(const C* base, int64_t slot, int64_t Hkv, int64_t h, int64_t D) {
+  const char* row = reinterpret_cast<const char*>(base + (slot * Hkv + h) * D);
+  for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(C)); off += 64) {
+    _mm_prefetch(row + off, _MM_HINT_T0);
+  }
+}
+
 template <typename T, typename C>
 void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cache,
                            const torch::Tensor& value_cache, const torch::Tensor& key_scale,
@@ -268,6 +283,7 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cach
       for (int64_t t = start; t < len; ++t) {
         const int64_t slot = tables[b * nb + t / bs] * bs + t % bs;
         const C* krow = kp + (slot * Hkv + h) * D;
+        if (t + kAheadTokens < len) prefetch_row(kp, tables[b * nb + (t + kAheadTokens) / bs] * bs + (t + kAheadTokens) % bs, Hkv, h, D);
         const float ks = scaled ? ksp[slot * Hkv + h] : 1.0f;
         __m512 kreg[16];
         for (int64_t d = 0; d < dv; ++d) kreg[d] = load16(krow + d * kLanes);
@@ -285,6 +301,7 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cach
       for (int64_t t = start; t < len; ++t) {
         const int64_t slot = tables[b * nb + t / bs] * bs + t % bs;
         const C* vrow = vp + (slot * Hkv + h) * D;
+        if (t + kAheadTokens < len) prefetch_row(vp, tables[b * nb + (t + kAheadTokens) / bs] * bs + (t + kAheadTokens) % bs, Hkv, h, D);
         const float vs = scaled ? vsp[slot * Hkv + h] : 1.0f;
         __m512 vreg[16];
         for (int64_t d = 0; d < dv; ++d) vreg[d] = load16(vrow + d * kLanes);
@@ -361,95 +378,233 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::
   return out;
 }
 
-// ---------------------------------------------------------------- bf16 linear for few rows
+// ---------------------------------------------------------------- bf16 linear, VNNI layout
+//
+// Weights are packed once (pack_vnni) into 16-column blocks of 32-deep K steps, each step a
+// 16 x 16 x 2 tile: element [nb][ks][kp][n][j] = W[16 nb + n][32 ks + 2 kp + j], N padded to a
+// multiple of 64 and K to a multiple of 32 with zeros. One 64-byte row of a tile holds a K pair
+// for 16 outputs, which is what both vdpbf16ps (against a broadcast pair of x) and AMX's
+// tdpbf16ps (as its B operand) consume, so one layout serves:
+//   1-2 rows of x   vdpbf16ps, weights streamed once with software prefetch (the decode of one
+//                   or two sequences: memory-bound, at copy bandwidth)
+//   3-32 rows       AMX tiles, when the CPU and the kernel allow them (decode batches)
+// Larger batches (prefill) go to oneDNN, which blocks better for them.
 
-// Rows [n0, n1) of y[M, N] = x[M, K] W[N, K]^T (+ bias), four weight rows at a time so that each
-// x chunk is loaded once per four rows; vdpbf16ps: pairs of bf16 products summed in fp32.
+constexpr int64_t kTile = 512;           // bf16 elements in one 16 x 32 weight tile (1 KiB)
+constexpr int64_t kGemvRows = 2;         // rows of x handled by the vdpbf16ps path
+constexpr int64_t kAmxRows = 32;         // rows of x handled by the AMX path
+
+torch::Tensor pack_vnni(torch::Tensor w) {
+  TORCH_CHECK_VALUE(w.dim() == 2 && w.scalar_type() == at::kBFloat16,
+                    "pack_vnni: weight must be [N, K] bfloat16");
+  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t Np = (N + 63) / 64 * 64, Kp = (K + 31) / 32 * 32;
+  auto padded = torch::zeros({Np, Kp}, w.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(w);
+  return padded.view({Np / 16, 16, Kp / 32, 16, 2}).permute({0, 2, 3, 1, 4}).contiguous();
+}
+
+// x [M, K] -> [Mp, Kp] zero-padded copy (tiles and K pairs read whole 32-element steps)
+torch::Tensor pad_rows(const torch::Tensor& x, int64_t Mp, int64_t Kp) {
+  if (x.size(0) == Mp && x.size(1) == Kp) return x;
+  auto out = torch::zeros({Mp, Kp}, x.options());
+  out.narrow(0, 0, x.size(0)).narrow(1, 0, x.size(1)).copy_(x);
+  return out;
+}
+
 template <int M>
-void linear_rows(const uint16_t* x, const uint16_t* w, const c10::BFloat16* bias, uint16_t* y,
-                 int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t full = K / 32;
-  const __mmask32 tail_mask = (K % 32) ? ((1u << (K % 32)) - 1) : 0;
-  int64_t n = n0;
-  auto finish = [&](int m, int64_t row, __m512 acc) {
-    float v = _mm512_reduce_add_ps(acc);
-    if (bias) v += static_cast<float>(bias[row]);
-    y[m * N + row] = c10::BFloat16(v).x;
-  };
-  for (; n + 4 <= n1; n += 4) {
-    __m512 acc[M][4];
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
-    const uint16_t* w0 = w + n * K;
-    for (int64_t kb = 0; kb <= full; ++kb) {
-      const bool tail = kb == full;
-      if (tail && !tail_mask) break;
-      const __mmask32 mask = tail ? tail_mask : ~__mmask32(0);
-      __m512i wr[4];
-      for (int r = 0; r < 4; ++r) {
-        const uint16_t* line = w0 + r * K + kb * 32;
-        // 4 KiB ahead in W (the next rows' block): measured 10 ms vs 18 ms for all of a
-        // SmolLM2-135M's weights on 2 threads; a prefetch never faults, past the end included
-        _mm_prefetch(reinterpret_cast<const char*>(line) + kPrefetchBytes, _MM_HINT_T0);
-        wr[r] = _mm512_maskz_loadu_epi16(mask, line);
-      }
-      for (int m = 0; m < M; ++m) {
-        __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + kb * 32);
-        for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, (__m512bh)wr[r]);
+void gemv_vnni_blocks(const uint16_t* x, int64_t Kp, const uint16_t* W, int64_t KS,
+                      const float* bias, uint16_t* y, int64_t N, int64_t nb0, int64_t nb1) {
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    const uint16_t* B = W + nb * KS * kTile;
+    __m512 acc[M][2];
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t ks = 0; ks < KS; ++ks) {
+      const uint16_t* tile = B + ks * kTile;
+      for (int kp = 0; kp < 16; ++kp) {
+        const uint16_t* row = tile + kp * 32;
+        // 4 KiB ahead: the next tiles of this block (measured: 10 ms instead of 18 ms for a
+        // SmolLM2-135M's weights on 2 threads; a prefetch never faults, past the end included)
+        _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+        const __m512bh w = (__m512bh)_mm512_loadu_si512(row);
+        for (int m = 0; m < M; ++m) {
+          int32_t pair;
+          std::memcpy(&pair, x + m * Kp + ks * 32 + 2 * kp, sizeof(pair));
+          acc[m][kp & 1] = _mm512_dpbf16_ps(acc[m][kp & 1], (__m512bh)_mm512_set1_epi32(pair), w);
+        }
       }
     }
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < 4; ++r) finish(m, n + r, acc[m][r]);
-  }
-  for (; n < n1; ++n) {
-    __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t kb = 0; kb <= full; ++kb) {
-      const bool tail = kb == full;
-      if (tail && !tail_mask) break;
-      const __mmask32 mask = tail ? tail_mask : ~__mmask32(0);
-      __m512bh wr = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + n * K + kb * 32);
-      for (int m = 0; m < M; ++m) {
-        __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + kb * 32);
-        acc[m] = _mm512_dpbf16_ps(acc[m], xv, wr);
-      }
+    for (int m = 0; m < M; ++m) {
+      __m512 v = _mm512_add_ps(acc[m][0], acc[m][1]);
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + nb * 16));
+      alignas(64) c10::BFloat16 tmp[16];
+      store16(tmp, v);
+      const int64_t left = N - nb * 16;
+      if (left <= 0) continue;
+      const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+      _mm256_mask_storeu_epi16(y + m * N + nb * 16, mask,
+                               _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp)));
     }
-    for (int m = 0; m < M; ++m) finish(m, n, acc[m]);
   }
 }
 
-constexpr int64_t kMaxLinearRows = 4;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+struct TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
 
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-                    "linear_bf16: x must be [M, K] contiguous bfloat16");
-  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.is_contiguous() &&
-                        weight.scalar_type() == at::kBFloat16 && weight.size(1) == x.size(1),
-                    "linear_bf16: weight must be [N, K] contiguous bfloat16");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK_VALUE(M >= 1 && M <= kMaxLinearRows, "linear_bf16: 1 to 4 rows");
-  const c10::BFloat16* bp = nullptr;
+bool amx_permitted() {
+  // Linux hands out AMX state per process on request: ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+inline void prefetch_tile(const uint16_t* tile) {
+  for (int line = 0; line < 16; ++line) {
+    _mm_prefetch(reinterpret_cast<const char*>(tile) + kPrefetchBytes + line * 64, _MM_HINT_T0);
+  }
+}
+
+// Rows [0, 16) of x (padded) against four 16-column blocks: C tiles 0-3, A tile 4, B tiles 5-7.
+inline void amx_quad(const uint16_t* x, int64_t Kp, const uint16_t* W, int64_t KS, int64_t q) {
+  const uint16_t* B[4];
+  for (int j = 0; j < 4; ++j) B[j] = W + (4 * q + j) * KS * kTile;
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t ks = 0; ks < KS; ++ks) {
+    for (int j = 0; j < 4; ++j) prefetch_tile(B[j] + ks * kTile);
+    _tile_loadd(4, x + ks * 32, Kp * 2);
+    _tile_loadd(5, B[0] + ks * kTile, 64);
+    _tile_loadd(6, B[1] + ks * kTile, 64);
+    _tile_loadd(7, B[2] + ks * kTile, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, B[3] + ks * kTile, 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+}
+
+// Rows [0, 32) of x (padded) against two 16-column blocks: C tiles 0-3, A tiles 4-5, B 6-7.
+inline void amx_pair(const uint16_t* x, int64_t Kp, const uint16_t* W, int64_t KS, int64_t pr) {
+  const uint16_t* B0 = W + (2 * pr) * KS * kTile;
+  const uint16_t* B1 = W + (2 * pr + 1) * KS * kTile;
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t ks = 0; ks < KS; ++ks) {
+    prefetch_tile(B0 + ks * kTile);
+    prefetch_tile(B1 + ks * kTile);
+    _tile_loadd(4, x + ks * 32, Kp * 2);
+    _tile_loadd(5, x + 16 * Kp + ks * 32, Kp * 2);
+    _tile_loadd(6, B0 + ks * kTile, 64);
+    _tile_loadd(7, B1 + ks * kTile, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+inline void store_c_tile(int t, float* buf) {
+  switch (t) {
+    case 0: _tile_stored(0, buf, 64); break;
+    case 1: _tile_stored(1, buf, 64); break;
+    case 2: _tile_stored(2, buf, 64); break;
+    default: _tile_stored(3, buf, 64); break;
+  }
+}
+
+// y rows [m0, m0 + 16) x columns [n0, n0 + 16) from C tile t
+inline void write_c_tile(int t, int64_t M, int64_t m0, int64_t N, int64_t n0, const float* bias,
+                         uint16_t* y) {
+  alignas(64) float buf[16 * 16];
+  store_c_tile(t, buf);
+  const int64_t left = N - n0;
+  if (left <= 0) return;
+  const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < 16 && m0 + r < M; ++r) {
+    alignas(64) c10::BFloat16 tmp[16];
+    store16(tmp, _mm512_add_ps(_mm512_load_ps(buf + r * 16), b));
+    _mm256_mask_storeu_epi16(y + (m0 + r) * N + n0, mask,
+                             _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp)));
+  }
+}
+
+void linear_amx(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, int64_t NB,
+                int64_t KS, const float* bias, uint16_t* y, int64_t N) {
+  const bool quad = M <= 16;
+  const int64_t units = quad ? NB / 4 : NB / 2;
+  at::parallel_for(0, units, 1, [&](int64_t b, int64_t e) {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    for (int64_t u = b; u < e; ++u) {
+      if (quad) {
+        amx_quad(x, Kp, W, KS, u);
+        for (int t = 0; t < 4; ++t) write_c_tile(t, M, 0, N, (4 * u + t) * 16, bias, y);
+      } else {
+        amx_pair(x, Kp, W, KS, u);
+        for (int t = 0; t < 4; ++t) write_c_tile(t, M, (t / 2) * 16, N, (2 * u + t % 2) * 16, bias, y);
+      }
+    }
+    _tile_release();
+  });
+}
+#else
+bool amx_permitted() { return false; }
+void linear_amx(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, const float*,
+                uint16_t*, int64_t) {
+  TORCH_CHECK(false, "linear_vnni: built without AMX");
+}
+#endif
+
+// Rows of x that linear_vnni takes on this machine (the caller sends larger batches to oneDNN).
+int64_t vnni_max_rows() { return amx_permitted() ? kAmxRows : kGemvRows; }
+
+// y [M, N] = x [M, K] W^T (+ bias) with W packed by pack_vnni; 1 <= M <= vnni_max_rows().
+torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, int64_t N,
+                          c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
+                    "linear_vnni: x must be [M, K] bfloat16");
+  TORCH_CHECK_VALUE(packed.dim() == 5 && packed.is_contiguous() && packed.size(2) == 16 &&
+                        packed.size(3) == 16 && packed.size(4) == 2 &&
+                        packed.scalar_type() == at::kBFloat16 && packed.size(0) % 4 == 0,
+                    "linear_vnni: weight must come from pack_vnni");
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KS = packed.size(1);
+  const int64_t Kp = KS * 32;
+  TORCH_CHECK_VALUE(K <= Kp && K > Kp - 32 && N <= NB * 16 && N > NB * 16 - 64,
+                    "linear_vnni: x or N does not match the packed weight");
+  TORCH_CHECK_VALUE(M >= 1 && M <= vnni_max_rows(), "linear_vnni: 1 to ", vnni_max_rows(),
+                    " rows on this machine");
+  torch::Tensor bias_f;
+  const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK_VALUE(bias->is_contiguous() && bias->numel() == N &&
-                          bias->scalar_type() == at::kBFloat16,
-                      "linear_bf16: bias must be [N] bfloat16");
-    bp = bias->data_ptr<c10::BFloat16>();
+    TORCH_CHECK_VALUE(bias->numel() == N, "linear_vnni: bias must be [N]");
+    bias_f = pad_rows(bias->to(at::kFloat).contiguous().view({1, N}), 1, NB * 16);
+    bp = bias_f.data_ptr<float>();
   }
   auto y = torch::empty({M, N}, x.options());
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
-  // chunks of 32 rows: threads get near-equal contiguous shares of W to stream
-  const int64_t chunk = 32, chunks = (N + chunk - 1) / chunk;
-  at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
-    const int64_t n0 = b * chunk, n1 = std::min(N, e * chunk);
-    switch (M) {
-      case 1: linear_rows<1>(xp, wp, bp, yp, K, N, n0, n1); break;
-      case 2: linear_rows<2>(xp, wp, bp, yp, K, N, n0, n1); break;
-      case 3: linear_rows<3>(xp, wp, bp, yp, K, N, n0, n1); break;
-      default: linear_rows<4>(xp, wp, bp, yp, K, N, n0, n1); break;
-    }
-  });
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  if (M <= kGemvRows) {
+    auto xpad = pad_rows(x.contiguous(), M, Kp);
+    const auto* xp = reinterpret_cast<const uint16_t*>(xpad.data_ptr<c10::BFloat16>());
+    // blocks of 16 columns, split evenly: every thread streams its own part of W
+    at::parallel_for(0, NB, 2, [&](int64_t b, int64_t e) {
+      if (M == 1) gemv_vnni_blocks<1>(xp, Kp, wp, KS, bp, yp, N, b, e);
+      else gemv_vnni_blocks<2>(xp, Kp, wp, KS, bp, yp, N, b, e);
+    });
+  } else {
+    auto xpad = pad_rows(x.contiguous(), M <= 16 ? 16 : 32, Kp);
+    linear_amx(reinterpret_cast<const uint16_t*>(xpad.data_ptr<c10::BFloat16>()), M, Kp, wp, NB,
+               KS, bp, yp, N);
+  }
   return y;
 }
 
@@ -460,6 +615,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual)");
   m.def("rotary_", &rotary_, "in-place rotary embedding (half-split layout)");
   m.def("decode_attention", &decode_attention, "paged attention of one query token per sequence");
-  m.def("linear_bf16", &linear_bf16, "x W^T + b for 1 to 4 bf16 rows");
-  m.attr("max_linear_rows") = kMaxLinearRows;
+  m.def("pack_vnni", &pack_vnni, "bf16 weight [N, K] -> the layout linear_vnni reads");
+  m.def("linear_vnni", &linear_vnni, "x W^T + b for a decode batch of bf16 rows");
+  m.def("vnni_max_rows", &vnni_max_rows, "rows linear_vnni takes here (32 with AMX, else 2)");
 }
