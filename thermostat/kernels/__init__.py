@@ -59,7 +59,10 @@ def ops() -> ModuleType | None:
 
 def status() -> str:
     """One line for startup logs and bench reports."""
-    return "on" if ops() is not None else f"off ({_state['reason']})"
+    module = ops()
+    if module is None:
+        return f"off ({_state['reason']})"
+    return "on (AMX for decode batches)" if module.vnni_max_rows() > 2 else "on (no AMX)"
 
 
 def _build() -> tuple[ModuleType | None, str | None]:

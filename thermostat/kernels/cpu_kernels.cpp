@@ -266,6 +266,7 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cach
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t b0, int64_t e0) {
     std::vector<float> scores;
+    std::vector<int64_t> slots;
     std::vector<__m512> qv(group * dv), acc(group * dv);
     for (int64_t item = b0; item < e0; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
@@ -280,10 +281,16 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cach
         }
       }
       // scores = q . k for every context token, read in place through the block table
+      // cache slot of every context token (no division per token: it cost more than the math)
+      slots.resize(n);
+      for (int64_t i = 0, blk = start / bs, off = start % bs; i < n; ++i) {
+        slots[i] = tables[b * nb + blk] * bs + off;
+        if (++off == bs) off = 0, ++blk;
+      }
       for (int64_t t = start; t < len; ++t) {
-        const int64_t slot = tables[b * nb + t / bs] * bs + t % bs;
+        const int64_t slot = slots[t - start];
         const C* krow = kp + (slot * Hkv + h) * D;
-        if (t + kAheadTokens < len) prefetch_row(kp, tables[b * nb + (t + kAheadTokens) / bs] * bs + (t + kAheadTokens) % bs, Hkv, h, D);
+        if (t + kAheadTokens < len) prefetch_row(kp, slots[t - start + kAheadTokens], Hkv, h, D);
         const float ks = scaled ? ksp[slot * Hkv + h] : 1.0f;
         __m512 kreg[16];
         for (int64_t d = 0; d < dv; ++d) kreg[d] = load16(krow + d * kLanes);
@@ -299,9 +306,9 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cach
       }
       // out = sum_t p_t v_t
       for (int64_t t = start; t < len; ++t) {
-        const int64_t slot = tables[b * nb + t / bs] * bs + t % bs;
+        const int64_t slot = slots[t - start];
         const C* vrow = vp + (slot * Hkv + h) * D;
-        if (t + kAheadTokens < len) prefetch_row(vp, tables[b * nb + (t + kAheadTokens) / bs] * bs + (t + kAheadTokens) % bs, Hkv, h, D);
+        if (t + kAheadTokens < len) prefetch_row(vp, slots[t - start + kAheadTokens], Hkv, h, D);
         const float vs = scaled ? vsp[slot * Hkv + h] : 1.0f;
         __m512 vreg[16];
         for (int64_t d = 0; d < dv; ++d) vreg[d] = load16(vrow + d * kLanes);
