@@ -287,34 +287,33 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cach
         slots[i] = tables[b * nb + blk] * bs + off;
         if (++off == bs) off = 0, ++blk;
       }
-      for (int64_t t = start; t < len; ++t) {
-        const int64_t slot = slots[t - start];
-        const C* krow = kp + (slot * Hkv + h) * D;
-        if (t + kAheadTokens < len) prefetch_row(kp, slots[t - start + kAheadTokens], Hkv, h, D);
-        const float ks = scaled ? ksp[slot * Hkv + h] : 1.0f;
-        __m512 kreg[16];
-        for (int64_t d = 0; d < dv; ++d) kreg[d] = load16(krow + d * kLanes);
+      // context token i's row of K or V as floats (prefetching the row kAheadTokens later);
+      // returns the token's fp8 scale (1 otherwise)
+      auto load_token = [&](const C* base, const float* scales, int64_t i, __m512* regs) {
+        if (i + kAheadTokens < n) prefetch_row(base, slots[i + kAheadTokens], Hkv, h, D);
+        const C* row = base + (slots[i] * Hkv + h) * D;
+        for (int64_t d = 0; d < dv; ++d) regs[d] = load16(row + d * kLanes);
+        return scaled ? scales[slots[i] * Hkv + h] : 1.0f;
+      };
+      __m512 reg[16];
+      for (int64_t i = 0; i < n; ++i) {
+        const float ks = load_token(kp, ksp, i, reg);
         for (int64_t g = 0; g < group; ++g) {
-          __m512 dot = _mm512_mul_ps(qv[g * dv], kreg[0]);
-          for (int64_t d = 1; d < dv; ++d) dot = _mm512_fmadd_ps(qv[g * dv + d], kreg[d], dot);
-          scores[g * n + (t - start)] = _mm512_reduce_add_ps(dot) * ks;
+          __m512 dot = _mm512_mul_ps(qv[g * dv], reg[0]);
+          for (int64_t d = 1; d < dv; ++d) dot = _mm512_fmadd_ps(qv[g * dv + d], reg[d], dot);
+          scores[g * n + i] = _mm512_reduce_add_ps(dot) * ks;
         }
       }
       for (int64_t g = 0; g < group; ++g) {
         softmax(scores.data() + g * n, n);
         for (int64_t d = 0; d < dv; ++d) acc[g * dv + d] = _mm512_setzero_ps();
       }
-      // out = sum_t p_t v_t
-      for (int64_t t = start; t < len; ++t) {
-        const int64_t slot = slots[t - start];
-        const C* vrow = vp + (slot * Hkv + h) * D;
-        if (t + kAheadTokens < len) prefetch_row(vp, slots[t - start + kAheadTokens], Hkv, h, D);
-        const float vs = scaled ? vsp[slot * Hkv + h] : 1.0f;
-        __m512 vreg[16];
-        for (int64_t d = 0; d < dv; ++d) vreg[d] = load16(vrow + d * kLanes);
+      // out = sum_i p_i v_i
+      for (int64_t i = 0; i < n; ++i) {
+        const float vs = load_token(vp, vsp, i, reg);
         for (int64_t g = 0; g < group; ++g) {
-          __m512 p = _mm512_set1_ps(scores[g * n + (t - start)] * vs);
-          for (int64_t d = 0; d < dv; ++d) acc[g * dv + d] = _mm512_fmadd_ps(p, vreg[d], acc[g * dv + d]);
+          __m512 p = _mm512_set1_ps(scores[g * n + i] * vs);
+          for (int64_t d = 0; d < dv; ++d) acc[g * dv + d] = _mm512_fmadd_ps(p, reg[d], acc[g * dv + d]);
         }
       }
       for (int64_t g = 0; g < group; ++g) {
