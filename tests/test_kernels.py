@@ -61,6 +61,15 @@ def test_rotary_in_place_on_a_strided_view(dtype):
     assert torch.equal(qkv[:, heads * d :], tail)  # nothing outside the view is touched
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    gate_up = (torch.randn(5, 2 * 64, generator=torch.Generator().manual_seed(4)) * 6).to(dtype)
+    gate, up = gate_up.float().split(64, dim=-1)
+    close(ops.silu_mul(gate_up), F.silu(gate) * up, dtype)
+    huge = torch.tensor([[-1e4] * 16 + [1e4] * 16], dtype=dtype)  # exp under- and overflow
+    close(ops.silu_mul(huge), torch.tensor([[-0.0] * 16]), dtype)
+
+
 def filled_cache(kv_dtype, compute_dtype, num_blocks=12, block_size=4, hkv=2, d=64, seed=2):
     spec = KVCacheSpec(1, hkv, d, block_size, kv_dtype)
     cache = PagedKVCache(spec, num_blocks, compute_dtype)
@@ -108,7 +117,9 @@ def test_decode_attention_reads_blocks_in_place(kv_dtype, compute_dtype, window)
     tables = [[7, 2, 9], [0], [11, 3, 5, 1], [7, 2]]
     lens = [10, 1, 16, 6]
     meta = decode_meta(tables, lens, 4, window)
-    q = torch.randn(4, 6, 64, generator=torch.Generator().manual_seed(3)).to(compute_dtype)
+    # q as the model passes it: a strided view of the fused qkv output
+    qkv = torch.randn(4, 8 * 64, generator=torch.Generator().manual_seed(3)).to(compute_dtype)
+    q = qkv[:, : 6 * 64].view(4, 6, 64)
     want = _sdpa_decode(q.float(), 0, _as_float(cache), meta, 0.125)
     got = ops.decode_attention(
         q, *cache.layer_storage(0), meta.decode_block_tables, meta.decode_context_lens, 0.125,

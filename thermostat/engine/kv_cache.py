@@ -84,8 +84,8 @@ class PagedKVCache:
             self._write_fp8(self.key[layer], self.key_scale[layer], key, slots)
             self._write_fp8(self.value[layer], self.value_scale[layer], value, slots)
         else:
-            _slots(self.key[layer]).index_copy_(0, slots, key.to(self.spec.dtype))
-            _slots(self.value[layer]).index_copy_(0, slots, value.to(self.spec.dtype))
+            _slots(self.key[layer]).index_copy_(0, slots, key.to(self.spec.dtype, copy=False))
+            _slots(self.value[layer]).index_copy_(0, slots, value.to(self.spec.dtype, copy=False))
 
     @staticmethod
     def _write_fp8(

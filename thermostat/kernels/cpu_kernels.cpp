@@ -6,6 +6,7 @@
 //   rms_norm       out = x / rms(x) * w                     (fp32 math, one rounding)
 //   add_rms_norm   residual += x; out = rms_norm(residual)  (the add rounds like torch's add)
 //   rotary_        in-place rotary embedding, half-split layout, over a strided [T, H, D] view
+//   silu_mul       SwiGLU: silu(gate) * up from the fused [T, 2I] projection
 //   decode_attention  one query token per sequence against its paged K/V, read in place through
 //                  the block table (no gather), GQA, sliding window, fp8_e4m3 with token scales
 //   linear_vnni    y = x W^T + b for decode batches, W packed once (pack_vnni): 1-2 rows with
@@ -73,11 +74,11 @@ inline void store16(c10::Half* p, __m512 v) {
                       _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-// exp(x) for x <= 0 (softmax after subtracting the max): 2^(x log2 e) split into an integer
-// power (scalef) and a degree-7 Taylor polynomial of 2^f on [-0.5, 0.5] (relative error < 1e-8,
-// below float rounding). Inputs below -104 give 0, as expf does.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+// exp(x): 2^(x log2 e) split into an integer power (scalef) and a degree-7 Taylor polynomial of
+// 2^f on [-0.5, 0.5] (relative error < 1e-8, below float rounding). Inputs below -104 give 0 and
+// above 88.7 give inf, as expf does.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.8f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
@@ -103,7 +104,7 @@ inline void softmax(float* s, int64_t n) {
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += kLanes) {
     const __mmask16 m = n - i >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), top));
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), top));
     sum = _mm512_mask_add_ps(sum, m, sum, e);
     _mm512_mask_storeu_ps(s + i, m, e);
   }
@@ -232,6 +233,32 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   });
 }
 
+// ---------------------------------------------------------------- SwiGLU activation
+
+// gate_up: [T, 2I] (gate columns first, as the fused projection writes them) -> silu(gate) * up,
+// [T, I], computed in fp32 and rounded once.
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "silu_mul gate_up");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK_VALUE(I % kLanes == 0, "silu_mul: intermediate size must be a multiple of 16");
+  auto out = torch::empty({T, I}, gate_up.options());
+  THERMOSTAT_DISPATCH_FLOAT(gate_up.scalar_type(), "silu_mul", [&] {
+    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t stride = gate_up.stride(0);
+    at::parallel_for(0, T * (I / kLanes), 64, [&](int64_t b, int64_t e) {
+      for (int64_t c = b; c < e; ++c) {
+        const int64_t t = c / (I / kLanes), i = (c % (I / kLanes)) * kLanes;
+        const __m512 g = load16(gp + t * stride + i), u = load16(gp + t * stride + I + i);
+        const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f),
+                                         _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        store16(op + t * I + i, _mm512_mul_ps(_mm512_mul_ps(g, sig), u));
+      }
+    });
+  });
+  return out;
+}
+
 // ---------------------------------------------------------------- paged decode attention
 
 constexpr int64_t kAheadTokens = 8;  // decode attention prefetches the K/V row this far ahead
@@ -275,7 +302,7 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cach
       const int64_t n = len - start;
       scores.resize(group * n);
       for (int64_t g = 0; g < group; ++g) {
-        const T* qrow = qp + (b * Hq + h * group + g) * D;
+        const T* qrow = qp + b * q.stride(0) + (h * group + g) * q.stride(1);
         for (int64_t d = 0; d < dv; ++d) {
           qv[g * dv + d] = _mm512_mul_ps(load16(qrow + d * kLanes), _mm512_set1_ps((float)scale));
         }
@@ -324,14 +351,16 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cach
   });
 }
 
-// q: [B, Hq, D] contiguous; caches [num_blocks, block_size, Hkv, D] (uint8 = fp8_e4m3 bytes, with
+// q: [B, Hq, D] (D contiguous; rows and heads may be strided, e.g. a view of the qkv output);
+// caches [num_blocks, block_size, Hkv, D] (uint8 = fp8_e4m3 bytes, with
 // float scales [num_blocks, block_size, Hkv, 1]; otherwise q's dtype and empty scales);
 // block_tables [B, nb] int64; context_lens [B] int64 (the query token included).
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                                torch::Tensor key_scale, torch::Tensor value_scale,
                                torch::Tensor block_tables, torch::Tensor context_lens,
                                double scale, int64_t window) {
-  TORCH_CHECK_VALUE(q.dim() == 3 && q.is_contiguous(), "decode_attention: q must be [B, Hq, D]");
+  TORCH_CHECK_VALUE(q.dim() == 3 && q.stride(2) == 1,
+                    "decode_attention: q must be [B, Hq, D] with D contiguous");
   TORCH_CHECK_VALUE(key_cache.dim() == 4 && key_cache.is_contiguous() &&
                         value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous() &&
                         value_cache.scalar_type() == key_cache.scalar_type(),
@@ -370,7 +399,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::
     TORCH_CHECK_VALUE(key_cache.scalar_type() == q.scalar_type(),
                       "decode_attention: cache dtype must be q's dtype or fp8 bytes");
   }
-  auto out = torch::empty_like(q);
+  auto out = torch::empty({B, Hq, D}, q.options());
   THERMOSTAT_DISPATCH_FLOAT(q.scalar_type(), "decode_attention", [&] {
     if (fp8) {
       decode_attention_impl<scalar_t, uint8_t>(q, key_cache, value_cache, key_scale, value_scale,
@@ -620,6 +649,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim of [rows, dim]");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual)");
   m.def("rotary_", &rotary_, "in-place rotary embedding (half-split layout)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate_up projection");
   m.def("decode_attention", &decode_attention, "paged attention of one query token per sequence");
   m.def("pack_vnni", &pack_vnni, "bf16 weight [N, K] -> the layout linear_vnni reads");
   m.def("linear_vnni", &linear_vnni, "x W^T + b for a decode batch of bf16 rows");

@@ -62,7 +62,7 @@ def paged_attention(
     if nd:
         if kernels is not None and cache.kernel_readable(q.dtype, q.shape[-1]):
             o = kernels.decode_attention(
-                q[:nd].contiguous(),
+                q[:nd],
                 *cache.layer_storage(layer),
                 meta.decode_block_tables,
                 meta.decode_context_lens,

@@ -36,12 +36,12 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if flat.shape[0] <= self.vnni_rows:
             y = self.kernels.linear_vnni(flat, self.vnni, self.out_features, self.bias)
         else:
             y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
 
 def pack_linears(module: nn.Module, kernels: ModuleType | None = None) -> int:

@@ -143,14 +143,18 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, kernels: ModuleType | None) -> None:
         super().__init__()
         self.intermediate = arch.intermediate_size
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * self.intermediate, bias=arch.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate, arch.hidden_size, bias=arch.mlp_bias)
+        self.kernels = kernels if self.intermediate % 16 == 0 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None and gate_up.dim() == 2:
+            return self.down_proj(self.kernels.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -160,7 +164,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
         self.self_attn = Attention(arch, layer, kernels)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
-        self.mlp = MLP(arch)
+        self.mlp = MLP(arch, kernels)
 
     def forward(self, x, residual, cos, sin, meta, cache) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to `residual` (None before the first
