@@ -136,6 +136,20 @@ def _as_float(cache: PagedKVCache) -> PagedKVCache:
     return view
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_matches_index_copy(dtype):
+    """The kernel's cache write equals the PyTorch path's, from strided views of a qkv output."""
+    qkv = torch.randn(3, 6 * 64, generator=torch.Generator().manual_seed(5)).to(dtype)
+    k, v = qkv[:, 128:].view(3, 2, 2, 64).unbind(1)
+    slots = torch.tensor([5, 0, 17])
+    ours, ref = filled_cache(dtype, dtype), filled_cache(dtype, dtype)
+    ours.write(0, k, v, slots, ops)
+    ref.write(0, k, v, slots)
+    assert torch.equal(ours.key[0], ref.key[0]) and torch.equal(ours.value[0], ref.value[0])
+    with pytest.raises(ValueError, match="slot out of range"):
+        ops.write_kv(*ours.layer_storage(0)[:2], k, v, torch.tensor([5, 0, 99]))
+
+
 def test_decode_attention_refuses_bad_tables():
     cache = filled_cache(torch.float32, torch.float32)
     q = torch.randn(1, 6, 64)

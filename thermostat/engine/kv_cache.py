@@ -17,6 +17,7 @@ quantization error never depends on other tokens; attention dequantizes what it 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -77,10 +78,17 @@ class PagedKVCache:
         self.value_scale = [torch.ones(scale_shape) for _ in range(spec.num_layers)]
 
     def write(
-        self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+        self,
+        layer: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        slots: torch.Tensor,
+        kernels: ModuleType | None = None,
     ) -> None:
         """key/value: [T, Hkv, D] for the T tokens whose cache slots are `slots` [T]."""
-        if self.spec.quantized:
+        if kernels is not None and key.dtype == self.spec.dtype and key.stride(-1) == 1:
+            kernels.write_kv(self.key[layer], self.value[layer], key, value, slots)
+        elif self.spec.quantized:
             self._write_fp8(self.key[layer], self.key_scale[layer], key, slots)
             self._write_fp8(self.value[layer], self.value_scale[layer], value, slots)
         else:

@@ -7,6 +7,7 @@
 //   add_rms_norm   residual += x; out = rms_norm(residual)  (the add rounds like torch's add)
 //   rotary_        in-place rotary embedding, half-split layout, over a strided [T, H, D] view
 //   silu_mul       SwiGLU: silu(gate) * up from the fused [T, 2I] projection
+//   write_kv       new tokens' K/V (views of the qkv output) into their cache slots
 //   decode_attention  one query token per sequence against its paged K/V, read in place through
 //                  the block table (no gather), GQA, sliding window, fp8_e4m3 with token scales
 //   linear_vnni    y = x W^T + b for decode batches, W packed once (pack_vnni): 1-2 rows with
@@ -257,6 +258,47 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     });
   });
   return out;
+}
+
+// ---------------------------------------------------------------- KV cache write
+
+// key/value [T, Hkv, D] (views of the qkv output: D contiguous) into cache slots [T] of caches
+// [num_blocks, block_size, Hkv, D] of the same dtype.
+void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor key,
+              torch::Tensor value, torch::Tensor slots) {
+  TORCH_CHECK_VALUE(key_cache.dim() == 4 && key_cache.is_contiguous() &&
+                        value_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes(),
+                    "write_kv: caches must be [blocks, block_size, Hkv, D], contiguous");
+  const int64_t T = key.size(0), Hkv = key_cache.size(2), D = key_cache.size(3);
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  TORCH_CHECK_VALUE(key.dim() == 3 && value.dim() == 3 && key.size(1) == Hkv &&
+                        key.size(2) == D && value.sizes() == key.sizes() && key.stride(2) == 1 &&
+                        value.stride(2) == 1,
+                    "write_kv: key/value must be [T, Hkv, D] with D contiguous");
+  TORCH_CHECK_VALUE(key.scalar_type() == key_cache.scalar_type() &&
+                        value.scalar_type() == key_cache.scalar_type() &&
+                        value_cache.scalar_type() == key_cache.scalar_type(),
+                    "write_kv: dtypes must match the cache");
+  TORCH_CHECK_VALUE(slots.dim() == 1 && slots.size(0) == T && slots.is_contiguous() &&
+                        slots.scalar_type() == at::kLong,
+                    "write_kv: slots must be [T] int64");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK_VALUE(sp[t] >= 0 && sp[t] < num_slots, "write_kv: slot out of range");
+  }
+  const int64_t item = key.element_size() * D;
+  char* kc = static_cast<char*>(key_cache.data_ptr());
+  char* vc = static_cast<char*>(value_cache.data_ptr());
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  const int64_t es = key.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t dst = (sp[t] * Hkv + h) * item;
+      std::memcpy(kc + dst, kp + (t * key.stride(0) + h * key.stride(1)) * es, item);
+      std::memcpy(vc + dst, vp + (t * value.stride(0) + h * value.stride(1)) * es, item);
+    }
+  }
 }
 
 // ---------------------------------------------------------------- paged decode attention
@@ -650,6 +692,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual)");
   m.def("rotary_", &rotary_, "in-place rotary embedding (half-split layout)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate_up projection");
+  m.def("write_kv", &write_kv, "store new tokens' K/V into their cache slots");
   m.def("decode_attention", &decode_attention, "paged attention of one query token per sequence");
   m.def("pack_vnni", &pack_vnni, "bf16 weight [N, K] -> the layout linear_vnni reads");
   m.def("linear_vnni", &linear_vnni, "x W^T + b for a decode batch of bf16 rows");

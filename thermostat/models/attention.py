@@ -56,7 +56,7 @@ def paged_attention(
     attends each token to its sequence's context. Returns [T, Hq, D]. Decodes run in the
     compiled kernel when there is one (it reads the blocks in place); otherwise their blocks are
     gathered for SDPA. Prefill chunks always use SDPA."""
-    cache.write(layer, k, v, meta.slot_mapping)
+    cache.write(layer, k, v, meta.slot_mapping, kernels)
     nd = meta.num_decodes
     out = torch.empty_like(q) if meta.prefills else None
     if nd:
