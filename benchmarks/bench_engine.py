@@ -4,14 +4,18 @@ weights shaped like SmolLM2-135M, same dtype, in one run.
     .venv/bin/python benchmarks/bench_engine.py [--batches 1 8 32] [--dtype bfloat16] [--json]
 
 Each batch size submits N requests of 128 random prompt tokens at once and generates 128 new
-tokens each (no early stop). Also measures the machine's copy bandwidth and how close batch-1
-decode gets to the bandwidth bound (weight bytes per token / bandwidth).
+tokens each (no early stop). The two engines run alternately `--repeats` times (default 3) and
+the table reports medians, with the ratio as the median of the back-to-back pairs: on a shared
+2-core machine a single pair can be off by 20% either way. Also measures the machine's copy
+bandwidth and how close batch-1 decode gets to the bandwidth bound (weight bytes per token /
+bandwidth).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -44,10 +48,16 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(100, vocab, (batch, length), generator=gen).tolist()
 
 
-def run_thermostat(llm: LLM, batch: int, args) -> dict:
+def medians(runs: list[dict]) -> dict:
+    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+
+
+def run_thermostat(llm: LLM, batch: int, args, seed: int = 1) -> dict:
+    """`seed` picks the prompts: a new one per repeat, so no run hits the prefix cache."""
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
-    ids = [engine.add_request(p, params)[0] for p in prompts(batch, args.prompt_tokens, 49152, 1)]
+    batch_prompts = prompts(batch, args.prompt_tokens, 49152, seed)
+    ids = [engine.add_request(p, params)[0] for p in batch_prompts]
     start = time.perf_counter()
     first: dict[str, float] = {}
     produced = 0
@@ -61,8 +71,8 @@ def run_thermostat(llm: LLM, batch: int, args) -> dict:
 
 
 @torch.inference_mode()
-def run_transformers(model, batch: int, args) -> dict:
-    ids = torch.tensor(prompts(batch, args.prompt_tokens, 49152, 1))
+def run_transformers(model, batch: int, args, seed: int = 1) -> dict:
+    ids = torch.tensor(prompts(batch, args.prompt_tokens, 49152, seed))
     mask = torch.ones_like(ids)
     common = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
     start = time.perf_counter()
@@ -87,6 +97,7 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--no-kernels", action="store_true", help="the pure-PyTorch path")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating runs per batch size")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.threads:
@@ -108,7 +119,7 @@ def main() -> None:
     kernel_state = "off (--no-kernels)" if args.no_kernels else kernels.status()
     # bytes a decode step must read: every weight once (the tied embedding as the LM head)
     weight_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
-    run_thermostat(llm, 2, argparse.Namespace(prompt_tokens=16, output_tokens=4))  # warm-up
+    run_thermostat(llm, 2, argparse.Namespace(prompt_tokens=16, output_tokens=4), seed=0)  # warm-up
     hf = None
     if not args.skip_transformers:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
@@ -116,18 +127,27 @@ def main() -> None:
 
     rows = []
     for batch in args.batches:
-        console.log(f"batch {batch}: thermostat")
-        ours = run_thermostat(llm, batch, args)
-        ref = None
-        if hf is not None:
-            console.log(f"batch {batch}: transformers")
-            ref = run_transformers(hf, batch, args)
-        rows.append({"batch": batch, "thermostat": ours, "transformers": ref})
+        ours_runs, ref_runs = [], []
+        for rep in range(args.repeats):
+            console.log(f"batch {batch}, run {rep + 1}/{args.repeats}: thermostat")
+            ours_runs.append(run_thermostat(llm, batch, args, seed=1 + rep))
+            if hf is not None:
+                console.log(f"batch {batch}, run {rep + 1}/{args.repeats}: transformers")
+                ref_runs.append(run_transformers(hf, batch, args, seed=1 + rep))
+        row = {"batch": batch, "thermostat": medians(ours_runs), "runs": ours_runs}
+        row["transformers"] = medians(ref_runs) if ref_runs else None
+        if ref_runs:
+            row["transformers_runs"] = ref_runs
+            pairs = [o["tok_s"] / r["tok_s"] for o, r in zip(ours_runs, ref_runs, strict=True)]
+            row["ratio"] = statistics.median(pairs)
+            row["ratios"] = pairs
+        rows.append(row)
 
     bound = bandwidth * 1e9 / weight_bytes
     result = {
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
+        "repeats": args.repeats,
         "cpu_kernels": kernel_state,
         "copy_bandwidth_gbs": bandwidth,
         "weight_bytes": weight_bytes,
@@ -139,9 +159,16 @@ def main() -> None:
         return
     table = Table(
         title=f"SmolLM2-135M-shaped, {args.dtype}, {torch.get_num_threads()} threads, "
+        f"medians of {args.repeats} alternating runs, "
         f"CPU kernels {kernel_state}"
     )
-    for col in ("batch", "thermostat tok/s", "transformers tok/s", "ratio", "TTFT ours / hf (s)"):
+    for col in (
+        "batch",
+        "thermostat tok/s",
+        "transformers tok/s",
+        "ratio (range)",
+        "TTFT ours / hf (s)",
+    ):
         table.add_column(col, justify="right")
     for row in rows:
         ours, ref = row["thermostat"], row["transformers"]
@@ -149,7 +176,9 @@ def main() -> None:
             str(row["batch"]),
             f"{ours['tok_s']:.1f}",
             f"{ref['tok_s']:.1f}" if ref else "-",
-            f"{ours['tok_s'] / ref['tok_s']:.2f}x" if ref else "-",
+            f"{row['ratio']:.2f}x ({min(row['ratios']):.2f}-{max(row['ratios']):.2f})"
+            if ref
+            else "-",
             f"{ours['ttft_s']:.2f} / {ref['ttft_s']:.2f}" if ref else f"{ours['ttft_s']:.2f}",
         )
     Console().print(table)
