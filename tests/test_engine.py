@@ -43,6 +43,15 @@ def test_batched_equals_alone(model_dir, reference):
     assert greedy_tokens(llm) == reference
 
 
+def test_equal_length_prompts_batched_equal_alone(model_dir):
+    """Runs of fresh prompts of one length share one attention call; results must not change."""
+    llm = LLM(str(model_dir), dtype="float32", enable_prefix_caching=False)
+    prompts = [[5, 17, 42, 99, 3, 250, 7], [8, 9, 10, 11, 12, 13, 14], [100, 2, 3, 4, 5, 6, 7]]
+    prompts += [[11], [1, 2, 3, 4, 5, 6, 7], [60, 61]]
+    alone = [greedy_tokens(llm, [p])[0] for p in prompts]
+    assert greedy_tokens(llm, prompts) == alone
+
+
 def test_chunked_prefill_equals_unchunked(model_dir, reference):
     llm = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=7)
     assert greedy_tokens(llm) == reference

@@ -74,25 +74,42 @@ def paged_attention(
         if out is None:
             return o  # a pure decode batch
         out[:nd] = o
-    start = nd
-    for seg in meta.prefills:
-        end = start + seg.q_len
+    start, segs, i = nd, meta.prefills, 0
+    while i < len(segs):
+        seg = segs[i]
         if seg.mask is None and not cache.spec.quantized:
-            ck, cv = k[start:end], v[start:end]  # fresh sequence: its context is the chunk
-        else:
-            ck, cv = cache.gather(layer, seg.block_table)
-            ck, cv = ck[0, : seg.ctx_len], cv[0, : seg.ctx_len]
+            # fresh sequences: the context is the chunk itself; a run of them with equal length
+            # is one batched causal SDPA (one call per layer instead of one per sequence)
+            j = i + 1
+            while j < len(segs) and segs[j].mask is None and segs[j].q_len == seg.q_len:
+                j += 1
+            n, length = j - i, seg.q_len
+            end = start + n * length
+            qs, ks, vs = (t[start:end].unflatten(0, (n, length)) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(
+                qs.transpose(1, 2),  # [n, Hq, q_len, D]
+                ks.transpose(1, 2),
+                vs.transpose(1, 2),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[start:end] = o.transpose(1, 2).flatten(0, 1)
+            start, i = end, j
+            continue
+        end = start + seg.q_len
+        ck, cv = cache.gather(layer, seg.block_table)
         o = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1),  # [Hq, q_len, D]
-            ck.transpose(0, 1),
-            cv.transpose(0, 1),
+            ck[0, : seg.ctx_len].transpose(0, 1),
+            cv[0, : seg.ctx_len].transpose(0, 1),
             attn_mask=seg.mask,
             is_causal=seg.mask is None,
             scale=scale,
             enable_gqa=True,
         )
         out[start:end] = o.transpose(0, 1)
-        start = end
+        start, i = end, i + 1
     return out
 
 
