@@ -32,15 +32,7 @@ def chat_response(job: Job, tokens: TokenText) -> ChatCompletionResponse:
                 quality=job.quality[index],
             )
         )
-    return ChatCompletionResponse(
-        id=job.id,
-        created=job.created,
-        model=job.model,
-        choices=choices,
-        usage=job.usage(),
-        sampling=job.resolution.to_dict(),
-        quality=job.response_quality(),
-    )
+    return ChatCompletionResponse(choices=choices, **job.final_fields())
 
 
 async def chat_chunks(
@@ -50,9 +42,7 @@ async def chat_chunks(
     that also carries `sampling` and that choice's `quality`; a usage chunk last if asked."""
 
     def chunk(choices: list[ChatChunkChoice], **extra: Any) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=job.id, created=job.created, model=job.model, choices=choices, **extra
-        )
+        return ChatCompletionChunk(choices=choices, **job.header(), **extra)
 
     for index in range(job.num_choices):
         yield chunk(

@@ -52,15 +52,7 @@ def completion_response(job: Job, tokens: TokenText, echo: bool) -> CompletionRe
                 quality=job.quality[index],
             )
         )
-    return CompletionResponse(
-        id=job.id,
-        created=job.created,
-        model=job.model,
-        choices=choices,
-        usage=job.usage(),
-        sampling=job.resolution.to_dict(),
-        quality=job.response_quality(),
-    )
+    return CompletionResponse(choices=choices, **job.final_fields())
 
 
 async def completion_chunks(
@@ -70,9 +62,7 @@ async def completion_chunks(
     choice's finish_reason carries `sampling` and that choice's `quality`."""
 
     def chunk(choices: list[CompletionChoice], **extra: Any) -> CompletionResponse:
-        return CompletionResponse(
-            id=job.id, created=job.created, model=job.model, choices=choices, **extra
-        )
+        return CompletionResponse(choices=choices, **job.header(), **extra)
 
     sent = [0] * job.num_choices  # logprob entries already sent, per choice
     offset = [0] * job.num_choices  # text_offset of the next token, per choice

@@ -77,6 +77,18 @@ class Job:
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
         )
 
+    def header(self) -> dict[str, Any]:
+        """Fields every response object and stream chunk of this job starts with."""
+        return {"id": self.id, "created": self.created, "model": self.model}
+
+    def final_fields(self) -> dict[str, Any]:
+        """The header plus what a whole (non-streamed) response adds: usage, sampling, quality."""
+        return self.header() | {
+            "usage": self.usage(),
+            "sampling": self.resolution.to_dict(),
+            "quality": self.response_quality(),
+        }
+
     def response_quality(self) -> dict[str, Any]:
         """The response's `quality`: the first degenerate choice's report, else choice 0's."""
         reports = [self.quality[i] for i in sorted(self.quality)]
