@@ -27,9 +27,7 @@ def chat_response(job: Job, tokens: TokenText) -> ChatCompletionResponse:
                 index=index,
                 message=ChatMessageOut(content=out.text),
                 logprobs=None if out.logprobs is None else chat_logprobs(out.logprobs, tokens),
-                finish_reason=out.finish_reason,
-                stop_reason=out.stop_reason,
-                quality=job.quality[index],
+                **job.choice_end(index, out),
             )
         )
     return ChatCompletionResponse(choices=choices, **job.final_fields())
@@ -63,10 +61,8 @@ async def chat_chunks(
             index=index,
             delta=delta,
             logprobs=logprobs,
-            finish_reason=out.finish_reason,
-            stop_reason=out.stop_reason,
-            quality=job.quality[index],
+            **job.choice_end(index, out),
         )
-        yield chunk([final], sampling=job.resolution.to_dict(), quality=job.quality[index])
+        yield chunk([final], **job.last_chunk_fields(index))
     if include_usage:
         yield chunk([], usage=job.usage())

@@ -47,9 +47,7 @@ def completion_response(job: Job, tokens: TokenText, echo: bool) -> CompletionRe
                 index=index,
                 text=(_prompt_text(prompt, tokens) if echo else "") + out.text,
                 logprobs=_logprobs(out, prompt if echo else None, 0, tokens, 0),
-                finish_reason=out.finish_reason,
-                stop_reason=out.stop_reason,
-                quality=job.quality[index],
+                **job.choice_end(index, out),
             )
         )
     return CompletionResponse(choices=choices, **job.final_fields())
@@ -83,10 +81,8 @@ async def completion_chunks(
             index=index,
             text=text,
             logprobs=logprobs,
-            finish_reason=out.finish_reason,
-            stop_reason=out.stop_reason,
-            quality=job.quality[index],
+            **job.choice_end(index, out),
         )
-        yield chunk([final], sampling=job.resolution.to_dict(), quality=job.quality[index])
+        yield chunk([final], **job.last_chunk_fields(index))
     if include_usage:
         yield chunk([], usage=job.usage())

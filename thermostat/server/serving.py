@@ -81,6 +81,18 @@ class Job:
         """Fields every response object and stream chunk of this job starts with."""
         return {"id": self.id, "created": self.created, "model": self.model}
 
+    def choice_end(self, index: int, out: RequestOutput) -> dict[str, Any]:
+        """Fields of a finished choice: why it ended and its quality report."""
+        return {
+            "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason,
+            "quality": self.quality[index],
+        }
+
+    def last_chunk_fields(self, index: int) -> dict[str, Any]:
+        """What the chunk that finishes choice `index` carries besides the choice."""
+        return {"sampling": self.resolution.to_dict(), "quality": self.quality[index]}
+
     def final_fields(self) -> dict[str, Any]:
         """The header plus what a whole (non-streamed) response adds: usage, sampling, quality."""
         return self.header() | {
