@@ -144,25 +144,28 @@ def test_stop_string_is_cut_and_never_emitted_partially(model_dir):
     text = base.text
     assert len(text) > 6
     stop = text[3:6]
-    req_id, _ = engine.add_request(
-        PROMPTS[3], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
+    engine.add_group(
+        "g",
+        [PROMPTS[3]],
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]),
     )
     streamed, final = "", None
     for _ in range(100):
         for out in engine.step():
-            streamed += out.delta
+            streamed += out.new_text
             assert stop not in streamed
             final = out
         if final is not None and final.finished:
             break
     assert final.finish_reason == "stop" and final.stop_reason == stop
-    assert streamed == final.text == text[: text.index(stop)]
+    assert streamed == text[: text.index(stop)]
+    assert not engine.has_unfinished()  # ended in the step that found the stop string
 
 
 def test_abort_frees_blocks(model_dir):
     llm = LLM(str(model_dir), dtype="float32", enable_prefix_caching=False)
     engine = llm.engine
-    ids = [engine.add_request(p, GREEDY)[0] for p in PROMPTS]
+    ids = [item.req_id for item in engine.add_group("g", PROMPTS, GREEDY)]
     engine.step()
     assert engine.blocks.num_free_blocks < engine.blocks.num_blocks
     for req_id in ids:

@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from thermostat.llm import build_sampling_defaults
 from thermostat.sampling import (
     GreedyRejected,
     Policy,
@@ -15,6 +14,7 @@ from thermostat.sampling import (
     SamplingParams,
     resolve,
 )
+from thermostat.sampling.defaults import build_sampling_defaults
 from thermostat.sampling.generation_config import read_generation_config
 
 CASE_FILE = {"temperature": 1.0, "top_p": 1.0}  # the generic values the case's model carried

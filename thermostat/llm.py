@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -10,22 +11,13 @@ from rich.progress import Progress
 
 from thermostat.engine.config import EngineConfig
 from thermostat.engine.llm_engine import LLMEngine
+from thermostat.engine.outputs import Completion, QueuedRequest, RequestDelta
 from thermostat.engine.sampler import TokenLogprobs
-from thermostat.sampling.fanout import per_sample
+from thermostat.sampling.defaults import build_sampling_defaults
 from thermostat.sampling.params import SamplingParams
-from thermostat.sampling.recommendations import recommendation_for
-from thermostat.sampling.resolve import Policy, Resolution, SamplingDefaults
+from thermostat.sampling.resolve import Policy, Resolution
 
-
-@dataclass
-class Completion:
-    """One generated sequence."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    stop_reason: str | int | None = None
-    logprobs: list[TokenLogprobs] | None = None
+__all__ = ["LLM", "Completion", "GenerationOutput"]
 
 
 @dataclass
@@ -54,30 +46,6 @@ class GenerationOutput:
     def sampling(self) -> dict[str, Any]:
         """effective values, the source of each, policy adjustments (the HTTP `sampling` shape)."""
         return self.resolution.to_dict()
-
-
-def build_sampling_defaults(
-    engine_defaults: dict[str, Any],
-    config_dict: dict[str, Any],
-    operator: dict[str, Any] | str | None,
-    policy: Policy,
-) -> SamplingDefaults:
-    """Layers for a model: operator values (or the word "recommended" to opt in to the
-    family's published values) over the model's generation_config.json values."""
-    recommended = None
-    if operator == "recommended":
-        rec = recommendation_for(config_dict)
-        if rec is None:
-            raise ValueError("no published recommendation is known for this model's family")
-        recommended, operator = rec.values, None
-    elif isinstance(operator, str):
-        raise ValueError(f"sampling defaults must be a dict or 'recommended', got {operator!r}")
-    return SamplingDefaults(
-        operator=dict(operator or {}),
-        recommended=recommended,
-        generation_config=engine_defaults,
-        policy=policy,
-    )
 
 
 class LLM:
@@ -109,6 +77,7 @@ class LLM:
         )
         self.engine = LLMEngine(config, defaults, loaded)
         self.tokenizer = loaded.tokenizer
+        self._ids = itertools.count()
 
     def generate(
         self,
@@ -126,44 +95,37 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        from thermostat.sampling.resolve import resolve
-
-        resolutions = [resolve(p, self.engine.sampling_defaults) for p in params]
-        results: dict[str, tuple[int, int]] = {}
-        finals: dict[tuple[int, int], Any] = {}
-        added: list[str] = []
+        groups: list[list[QueuedRequest]] = []
         try:
-            for i, (prompt, p, res) in enumerate(zip(prompts, params, resolutions, strict=True)):
-                for j, child in enumerate(per_sample(res, p.n or 1)):
-                    req_id, _ = self.engine.add_request(
-                        prompt, p, req_id=f"gen-{i}-{j}-{id(self)}", resolution=child
-                    )
-                    results[req_id] = (i, j)
-                    added.append(req_id)
-        except Exception:
-            for req_id in added:
-                self.engine.abort(req_id)
+            for prompt, p in zip(prompts, params, strict=True):
+                groups.append(self.engine.add_group(f"gen-{next(self._ids)}", [prompt], p))
+        except BaseException:
+            for group in groups:
+                for item in group:
+                    self.engine.abort(item.req_id)
             raise
+        where = {item.req_id: (i, item.index) for i, g in enumerate(groups) for item in g}
+        completions = [[Completion() for _ in group] for group in groups]
+        firsts: dict[int, RequestDelta] = {}  # prompt index -> sample 0's first delta
         with Progress(disable=not progress, transient=True) as bar:
-            task = bar.add_task("generating", total=len(results))
+            task = bar.add_task("generating", total=len(where))
             while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.finished and out.req_id in results:
-                        finals[results[out.req_id]] = out
+                for delta in self.engine.step():
+                    if delta.req_id not in where:
+                        continue  # another caller's request
+                    i, j = where[delta.req_id]
+                    completions[i][j].add(delta)
+                    if j == 0:
+                        firsts.setdefault(i, delta)
+                    if delta.finished:
                         bar.advance(task)
-        outputs = []
-        for i in range(len(prompts)):
-            outs = [finals[(i, j)] for j in range(params[i].n or 1)]
-            outputs.append(
-                GenerationOutput(
-                    prompt_token_ids=outs[0].prompt_token_ids,
-                    completions=[
-                        Completion(o.text, o.token_ids, o.finish_reason, o.stop_reason, o.logprobs)
-                        for o in outs
-                    ],
-                    resolution=outs[0].sampling,
-                    prompt_logprobs=outs[0].prompt_logprobs,
-                    num_cached_tokens=outs[0].num_cached_tokens,
-                )
+        return [
+            GenerationOutput(
+                prompt_token_ids=group[0].prompt_token_ids,
+                completions=completions[i],
+                resolution=group[0].resolution,
+                prompt_logprobs=firsts[i].prompt_logprobs,
+                num_cached_tokens=firsts[i].num_cached_tokens,
             )
-        return outputs
+            for i, group in enumerate(groups)
+        ]

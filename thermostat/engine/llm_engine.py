@@ -1,11 +1,15 @@
-"""The engine: requests in, a step at a time, outputs out. Single-threaded; the server drives
-it from its own thread."""
+"""The engine: groups of requests in, a step at a time, deltas out. Single-threaded; the server
+drives it from its own thread.
+
+A step is the scheduler's three calls (schedule, execute, update); `update` is where every
+generation ends (stop token, stop string, loop, length). The engine then turns what each
+request gained into a `RequestDelta` and forgets it.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -13,44 +17,30 @@ import torch
 from thermostat import kernels
 from thermostat.engine.block_manager import BlockManager
 from thermostat.engine.config import EngineConfig
-from thermostat.engine.detokenizer import IncrementalDetokenizer
 from thermostat.engine.kv_cache import KVCacheSpec, PagedKVCache, resolve_kv_dtype
 from thermostat.engine.loader import LoadedModel, load_model
 from thermostat.engine.model_runner import ModelRunner
-from thermostat.engine.outputs import RequestOutput
+from thermostat.engine.output_text import OutputText
+from thermostat.engine.outputs import QueuedRequest, RequestDelta
 from thermostat.engine.request import Request
 from thermostat.engine.sampler import TokenLogprobs
-from thermostat.engine.scheduler import Scheduler, SchedulerConfig
-from thermostat.quality.streaming import StreamingAnalyzer
+from thermostat.engine.scheduler import RunnerOutput, Scheduler, SchedulerConfig
+from thermostat.errors import InvalidRequest
+from thermostat.sampling.fanout import per_sample
 from thermostat.sampling.params import SamplingParamError, SamplingParams
-from thermostat.sampling.resolve import Resolution, SamplingDefaults, resolve
+from thermostat.sampling.resolve import Resolution, SamplingDefaults, fit_to_context, resolve
 
 log = logging.getLogger("thermostat.engine")
 
-# stop_reason of a generation ended by stop_on_loop. finish_reason stays "stop", which every
-# client understands (vLLM reports its own finish_reason "repetition", which clients map to
-# "stop"); the response's `quality` says which cycle it was.
-LOOP_STOP_REASON = "loop"
-
 
 @dataclass
-class _Tracked:
-    """Output-side state of one request: detokenizer and logprobs."""
+class _Emitting:
+    """What the engine still owes the consumer of one request."""
 
     req: Request
-    resolution: Resolution
-    detok: IncrementalDetokenizer
-    logprobs: list[TokenLogprobs] | None = None  # a list when the request asked for them
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # indexed by prompt position
-    num_seen: int = 0  # output tokens already reported
-    loops: StreamingAnalyzer | None = None  # with stop_on_loop
-
-    def __post_init__(self) -> None:
-        eff = self.resolution.effective
-        if eff.logprobs is not None:
-            self.logprobs = []
-        if eff.prompt_logprobs is not None:
-            self.prompt_logprobs = [None] * self.req.num_prompt_tokens
+    text: OutputText
+    prompt_logprobs: list[TokenLogprobs | None] | None  # filled while the prompt is computed
+    num_emitted: int = 0  # output tokens already in a delta
 
 
 class LLMEngine:
@@ -93,8 +83,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.loaded.model, self.cache, config.block_size, arch.sliding_window
         )
-        self._tracked: dict[str, _Tracked] = {}
-        self._ids = itertools.count()
+        self._emitting: dict[str, _Emitting] = {}
         log.info(
             "engine ready: %s (%s, %s), KV cache %d blocks x %d tokens (%s), CPU kernels %s",
             self.loaded.path,
@@ -110,21 +99,47 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.loaded.max_model_len
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         return list(prompt)
 
-    def add_request(
+    def add_group(
         self,
-        prompt: str | list[int],
+        group_id: str,
+        prompts: Sequence[str | Sequence[int]],
         params: SamplingParams,
-        req_id: str | None = None,
         resolution: Resolution | None = None,
-    ) -> tuple[str, Resolution]:
-        """Validate, resolve and queue a request. Raises SamplingParamError (bad input),
-        GreedyRejected (policy) or ValueError (does not fit). Nothing is queued on error."""
+    ) -> list[QueuedRequest]:
+        """Queue `len(prompts) * n` requests, all or none; return them in index order.
+
+        Request `index` is sample `index % n` of prompt `index // n`, with id
+        f"{group_id}-{index}". Each runs with the group's resolution (resolved here unless
+        given) fitted to its prompt (`fit_to_context`: an omitted max_tokens is lowered to the
+        room the context leaves, and the adjustment recorded), sample j of a seeded request on
+        seed + j. Raises InvalidRequest (SamplingParamError, GreedyRejected) for what cannot be
+        served; nothing stays queued then."""
         resolution = resolution or resolve(params, self.sampling_defaults)
+        n = params.n or 1
+        queued: list[QueuedRequest] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                prompt_ids = self._checked_prompt(prompt, resolution)
+                fitted = fit_to_context(
+                    resolution, params.max_tokens is not None, len(prompt_ids), self.max_model_len
+                )
+                for j, child in enumerate(per_sample(fitted, n)):
+                    index = i * n + j
+                    item = QueuedRequest(f"{group_id}-{index}", index, prompt_ids, child)
+                    self._add(item)
+                    queued.append(item)
+        except BaseException:
+            for item in queued:
+                self.abort(item.req_id)
+            raise
+        return queued
+
+    def _checked_prompt(self, prompt: str | Sequence[int], resolution: Resolution) -> list[int]:
         prompt_ids = self.tokenize(prompt)
         vocab = self.loaded.arch.vocab_size
         if not prompt_ids:
@@ -133,39 +148,31 @@ class LLMEngine:
             raise SamplingParamError("prompt", f"token ids must be integers in [0, {vocab})")
         if any(not 0 <= t < vocab for t in resolution.effective.stop_token_ids):
             raise SamplingParamError("stop_token_ids", f"token ids must be in [0, {vocab})")
-        room = self.max_model_len - len(prompt_ids)
-        eff = resolution.effective
-        if params.max_tokens is not None and eff.max_tokens > room:
-            raise SamplingParamError(
+        return prompt_ids
+
+    def _add(self, item: QueuedRequest) -> None:
+        eff = item.resolution.effective
+        prompt_ids = item.prompt_token_ids
+        if len(prompt_ids) + eff.max_tokens > self.max_model_len:
+            raise InvalidRequest(
                 "max_tokens",
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({eff.max_tokens}) exceeds the "
                 f"context length ({self.max_model_len})",
             )
-        if room <= 0 and eff.max_tokens > 0:
-            raise SamplingParamError(
-                "prompt", f"prompt of {len(prompt_ids)} tokens fills the context length"
-            )
-        if params.max_tokens is None and eff.max_tokens > room:
-            resolution = dataclasses.replace(
-                resolution, effective=dataclasses.replace(eff, max_tokens=room)
-            )
-            eff = resolution.effective
         stop_ids = set(eff.stop_token_ids)
         if not eff.ignore_eos:
             stop_ids.update(self.loaded.eos_token_ids)
-        req_id = req_id or f"req-{next(self._ids)}"
-        req = Request(req_id, prompt_ids, eff, frozenset(stop_ids))
-        self.scheduler.add(req)
-        detok = IncrementalDetokenizer(
-            self.tokenizer, prompt_ids, eff.skip_special_tokens, eff.stop
+        text = OutputText(
+            self.tokenizer, prompt_ids, eff.skip_special_tokens, eff.stop, self.config.stop_on_loop
         )
-        loops = StreamingAnalyzer() if self.config.stop_on_loop else None
-        self._tracked[req_id] = _Tracked(req, resolution, detok, loops=loops)
-        return req_id, resolution
+        req = Request(item.req_id, prompt_ids, eff, frozenset(stop_ids), text=text)
+        self.scheduler.add(req)
+        prompt_logprobs = None if eff.prompt_logprobs is None else [None] * len(prompt_ids)
+        self._emitting[item.req_id] = _Emitting(req, text, prompt_logprobs)
 
     def abort(self, req_id: str) -> None:
         self.scheduler.abort(req_id)
-        self._tracked.pop(req_id, None)
+        self._emitting.pop(req_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -178,58 +185,41 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; return an output for every request that progressed."""
+    def step(self) -> list[RequestDelta]:
+        """Run one scheduling step; return a delta for every request that generated tokens or
+        finished."""
         out = self.scheduler.schedule()
         result = self.runner.execute(out)
         progressed = self.scheduler.update(out, result)
-        outputs = []
+        deltas = []
         for req in progressed:
-            tracked = self._tracked.get(req.req_id)
-            if tracked is None:
-                continue
-            for pos, lp in result.prompt_logprobs.get(req.req_id, {}).items():
-                tracked.prompt_logprobs[pos] = lp
-            if req.req_id in result.logprobs and tracked.logprobs is not None:
-                tracked.logprobs.append(result.logprobs[req.req_id])
-            output = self._output(tracked)
-            if output is not None:
-                outputs.append(output)
-        return outputs
+            emitting = self._emitting.get(req.req_id)
+            if emitting is not None and (delta := self._delta(emitting, result)) is not None:
+                deltas.append(delta)
+        return deltas
 
-    def _output(self, t: _Tracked) -> RequestOutput | None:
-        req = t.req
-        new_tokens = req.output_token_ids[t.num_seen :]
-        t.num_seen = req.num_output_tokens
-        delta = ""
-        for token in new_tokens:
-            if token in req.stop_ids:
-                continue  # a stop/EOS token ends the text without appearing in it
-            delta += t.detok.add(token)
-        stop_reason: str | int | None = t.detok.stop_reason
-        if stop_reason is None and t.loops is not None and t.loops.update(delta).loop_detected:
-            stop_reason = LOOP_STOP_REASON
-        if stop_reason is not None and not req.finished:
-            self.scheduler.finish(req, "stop")
-        if req.finished:
-            delta += t.detok.flush()
-            if stop_reason is None and req.finish_reason == "stop":
-                stop_reason = req.output_token_ids[-1]
-            del self._tracked[req.req_id]
-        elif not new_tokens:
+    def _delta(self, e: _Emitting, result: RunnerOutput) -> RequestDelta | None:
+        req = e.req
+        if e.prompt_logprobs is not None:
+            for pos, lp in result.prompt_logprobs.get(req.req_id, {}).items():
+                e.prompt_logprobs[pos] = lp
+        new_tokens = req.output_token_ids[e.num_emitted :]
+        if not new_tokens and not req.finished:
             return None
-        return RequestOutput(
+        first = e.num_emitted == 0
+        e.num_emitted = req.num_output_tokens
+        new_logprobs = None
+        if req.params.logprobs is not None:
+            new_logprobs = [result.logprobs[req.req_id]] if req.req_id in result.logprobs else []
+        if req.finished:
+            del self._emitting[req.req_id]
+        return RequestDelta(
             req_id=req.req_id,
-            prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids),
-            text=t.detok.text,
-            delta=delta,
             new_token_ids=new_tokens,
-            finished=req.finished,
+            new_text=e.text.take(req.finished),
+            new_logprobs=new_logprobs,
             finish_reason=req.finish_reason,
-            stop_reason=stop_reason,
-            sampling=t.resolution,
-            logprobs=t.logprobs,
-            prompt_logprobs=t.prompt_logprobs,
+            stop_reason=req.stop_reason,
+            prompt_logprobs=e.prompt_logprobs if first else None,
             num_cached_tokens=req.num_cached_tokens,
         )

@@ -1,25 +1,63 @@
-"""What the engine reports about a request after each step."""
+"""What the engine emits after each step (`RequestDelta`: only what is new) and what a front end
+builds from the deltas of one request (`Completion`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from thermostat.engine.sampler import TokenLogprobs
 from thermostat.sampling.resolve import Resolution
 
 
-@dataclass
-class RequestOutput:
+@dataclass(frozen=True)
+class QueuedRequest:
+    """One request of a group the engine accepted, and the sampling it runs with."""
+
     req_id: str
+    index: int  # in the group: prompt index * n + sample index
     prompt_token_ids: list[int]
-    token_ids: list[int]  # all generated tokens so far (a stop token included)
-    text: str  # released text so far (stop strings excluded)
-    delta: str  # text released by this step
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
-    stop_reason: str | int | None  # the stop string or stop token id that ended it
-    sampling: Resolution
+    resolution: Resolution
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """What one step did for one request. Emitted when it generated tokens or finished; the
+    engine keeps no reference to it."""
+
+    req_id: str
+    new_token_ids: list[int]  # a stop token that ended the request included
+    new_text: str  # text released by this step (a stop string never is)
+    new_logprobs: list[TokenLogprobs] | None  # one per new token; None unless asked for
+    finish_reason: str | None = None  # "stop" | "length" on the request's last delta
+    stop_reason: str | int | None = None  # the stop string, stop token id or "loop" that ended it
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # first delta only; [0] is None
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Completion:
+    """One generated sequence, accumulated from its request's deltas."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per generated token, when asked
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # first entry None
-    num_cached_tokens: int = 0
+
+    def add(self, delta: RequestDelta) -> None:
+        self.text += delta.new_text
+        self.token_ids.extend(delta.new_token_ids)
+        if delta.new_logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.new_logprobs)
+        self.finish_reason = delta.finish_reason
+        self.stop_reason = delta.stop_reason
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

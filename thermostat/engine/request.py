@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from thermostat.engine.block_manager import hash_block_tokens
 from thermostat.sampling.params import EffectiveParams
@@ -20,6 +21,14 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class TextStops(Protocol):
+    """The text-level stop conditions of a request (engine/output_text.py)."""
+
+    def add(self, token_id: int) -> str | None:
+        """Feed a generated token; return what ends the text here (stop_reason), else None."""
+        ...
 
 
 @dataclass
@@ -34,7 +43,9 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[int] = field(default_factory=list)  # of every full block, chained
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    stop_reason: str | int | None = None  # the stop token id, stop string or "loop" of a "stop"
+    text: TextStops | None = None  # None: no text-level stop conditions (token ids only)
     arrival_time: float = field(default_factory=time.monotonic)
 
     @property

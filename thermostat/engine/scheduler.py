@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from thermostat.engine.block_manager import BlockManager
 from thermostat.engine.request import Request, RequestStatus
 from thermostat.engine.sampler import TokenLogprobs
+from thermostat.errors import InvalidRequest
 from thermostat.sampling.params import EffectiveParams
 
 
@@ -84,12 +85,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, req: Request) -> None:
-        """Queue a request. Raises ValueError if it could never fit in the KV cache alone."""
+        """Queue a request. Raises InvalidRequest if it could never fit in the KV cache alone,
+        ValueError for a duplicate id (a caller's bug)."""
         longest = min(req.num_prompt_tokens + req.params.max_tokens, self.config.max_model_len)
         if self.blocks.num_blocks_needed(longest) > self.blocks.num_blocks:
-            raise ValueError(
+            raise InvalidRequest(
+                "max_tokens",
                 f"request needs {longest} tokens of KV cache, more than the whole cache "
-                f"({self.blocks.num_blocks * self.block_size} tokens)"
+                f"({self.blocks.num_blocks * self.block_size} tokens)",
             )
         if req.req_id in self.requests:
             raise ValueError(f"duplicate request id {req.req_id!r}")
@@ -103,12 +106,12 @@ class Scheduler:
             self.finish(req, "abort")
         return req
 
-    def finish(self, req: Request, reason: str) -> None:
+    def finish(self, req: Request, reason: str, stop_reason: str | int | None = None) -> None:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
-        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        req.status, req.finish_reason, req.stop_reason = RequestStatus.FINISHED, reason, stop_reason
         self.blocks.free(req.req_id)
         del self.requests[req.req_id]
         if req.req_id in self._known_to_runner:
@@ -197,34 +200,40 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Advance counters by what the runner computed; append sampled tokens; finish requests
-        that hit a stop condition. Returns the requests that progressed."""
+        that hit a stop condition (the one place a generation ends, except abort). Returns the
+        requests that progressed."""
         progressed = []
         for chunk in out.chunks:
             req = self.requests.get(chunk.req_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted meanwhile
             req.num_computed_tokens += len(chunk.token_ids)
-            reason = None
+            ending: tuple[str, str | int | None] | None = None
             token = result.sampled.get(req.req_id)
             if token is not None:
                 req.output_token_ids.append(token)
-                reason = self._stop_reason(req, token)
+                ending = self._ending(req, token)
             elif not chunk.sample and req.num_behind == 0:
-                reason = "length"  # max_tokens == 0: prompt only (e.g. echo with logprobs)
+                ending = ("length", None)  # max_tokens == 0: prompt only (echo with logprobs)
             if self.config.enable_prefix_caching:
                 req.update_block_hashes(self.block_size)
                 full = req.num_computed_tokens // self.block_size
                 self.blocks.cache_blocks(req.req_id, req.block_hashes[:full])
             progressed.append(req)
-            if reason is not None:
-                self.finish(req, reason)
+            if ending is not None:
+                self.finish(req, *ending)
         return progressed
 
-    def _stop_reason(self, req: Request, token: int) -> str | None:
-        if token in req.stop_ids:  # never sampled before min_tokens: they are banned until then
-            return "stop"
+    def _ending(self, req: Request, token: int) -> tuple[str, str | int | None] | None:
+        """(finish_reason, stop_reason) if `token` ends the request. A stop token first (it is
+        never sampled before min_tokens: banned until then), then the text's stop conditions
+        (stop strings, a loop), then length."""
+        if token in req.stop_ids:
+            return "stop", token
+        if req.text is not None and (stop := req.text.add(token)) is not None:
+            return "stop", stop
         if req.num_output_tokens >= req.params.max_tokens:
-            return "length"
+            return "length", None
         if req.num_tokens >= self.config.max_model_len:
-            return "length"
+            return "length", None
         return None

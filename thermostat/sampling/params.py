@@ -7,6 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from thermostat.errors import InvalidRequest
+
 # Fields resolved through the layers request > operator > recommended > generation_config >
 # builtin. The other fields belong to one request only and take their builtin value when unset.
 LAYERED_FIELDS: tuple[str, ...] = (
@@ -31,12 +33,11 @@ BUILTIN: dict[str, Any] = {
 }
 
 
-class SamplingParamError(ValueError):
+class SamplingParamError(InvalidRequest):
     """A sampling value out of range or of the wrong type; `param` names the field."""
 
     def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
+        super().__init__(param, f"{param}: {message}")
 
 
 INT64 = (-(2**63), 2**63 - 1)  # integers become int64 tensors / generator seeds in the engine

@@ -12,18 +12,23 @@ Layers, highest first; the first layer that sets a field wins:
 
 Policies run after the layers, each recorded as an Adjustment: min_temperature raises any lower
 temperature (an explicit 0 included); greedy="reject" refuses an explicit temperature 0.
+Once the prompt is tokenized, `fit_to_context` lowers an omitted max_tokens to the room the
+context leaves (policy "context_length"): the engine runs exactly what the resolution says.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from thermostat.errors import InvalidRequest
 from thermostat.sampling.params import (
     BUILTIN,
     LAYERED_FIELDS,
     EffectiveParams,
+    SamplingParamError,
     SamplingParams,
     validate_layered,
 )
@@ -31,10 +36,13 @@ from thermostat.sampling.params import (
 SOURCES = ("request", "operator", "recommended", "generation_config", "builtin")
 
 
-class GreedyRejected(ValueError):
+class GreedyRejected(InvalidRequest):
     """An explicit temperature 0 under the `--greedy reject` policy."""
 
-    param = "temperature"
+    code = "greedy_rejected"
+
+    def __init__(self, message: str) -> None:
+        super().__init__("temperature", message)
 
 
 @dataclass(frozen=True)
@@ -162,3 +170,32 @@ def resolve(params: SamplingParams, defaults: SamplingDefaults) -> Resolution:
         else params.skip_special_tokens,
     )
     return Resolution(effective=effective, source=source, adjusted=tuple(adjusted))
+
+
+def fit_to_context(
+    resolution: Resolution, max_tokens_sent: bool, prompt_len: int, context_len: int
+) -> Resolution:
+    """The resolution of one prompt of `prompt_len` tokens in a context of `context_len`. An
+    omitted max_tokens larger than the room left is lowered to it and recorded as an
+    Adjustment (policy "context_length"); a sent one that does not fit is refused
+    (SamplingParamError), as is a prompt that leaves no room to generate."""
+    eff = resolution.effective
+    room = context_len - prompt_len
+    if max_tokens_sent and eff.max_tokens > room:
+        raise SamplingParamError(
+            "max_tokens",
+            f"prompt ({prompt_len} tokens) + max_tokens ({eff.max_tokens}) exceeds the "
+            f"context length ({context_len})",
+        )
+    if room <= 0 and eff.max_tokens > 0:
+        raise SamplingParamError(
+            "prompt", f"prompt of {prompt_len} tokens fills the context length"
+        )
+    if eff.max_tokens <= room:
+        return resolution
+    adjustment = Adjustment("max_tokens", eff.max_tokens, room, "context_length")
+    return dataclasses.replace(
+        resolution,
+        effective=dataclasses.replace(eff, max_tokens=room),
+        adjusted=(*resolution.adjusted, adjustment),
+    )

@@ -8,10 +8,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from thermostat.engine.loader import DEMO_MODEL_DIR, ModelLoadError, resolve_model_path
-from thermostat.sampling import GreedyRejected, SamplingParamError
 from thermostat.server.config import ServerConfig
 from thermostat.server.defaults import ServerDefaults
-from thermostat.server.errors import classify, install_error_handlers, refuse
+from thermostat.server.errors import install_error_handlers
 from thermostat.server.middleware import GateMiddleware
 from thermostat.server.routes import router
 from thermostat.server.serving import ClientGone
@@ -39,14 +38,9 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.state.thermostat = state
     install_error_handlers(app)
 
-    async def on_sampling_error(request: Request, exc: Exception) -> Response:
-        return refuse(request, classify(exc))
-
     async def on_client_gone(_: Request, __: Exception) -> Response:
         return Response(status_code=499)  # nobody reads it; counted as "client closed request"
 
-    app.add_exception_handler(SamplingParamError, on_sampling_error)
-    app.add_exception_handler(GreedyRejected, on_sampling_error)
     app.add_exception_handler(ClientGone, on_client_gone)
     app.include_router(router)
     state.route_paths = {getattr(route, "path", "") for route in app.routes}

@@ -5,16 +5,16 @@ Threads and what crosses between them:
 | direction        | channel                              | carries                          |
 |------------------|--------------------------------------|----------------------------------|
 | loop -> engine   | `queue.SimpleQueue` of commands      | add (a group of requests), abort |
-| engine -> loop   | `loop.call_soon_threadsafe(...)`     | add results, outputs, stats      |
+| engine -> loop   | `loop.call_soon_threadsafe(...)`     | add results, deltas, stats       |
 
 Invariants:
 - Only the engine thread touches the LLMEngine; commands are applied between steps, in order.
 - The engine thread blocks on the command queue while the engine has nothing to do (no busy
   loop); while it has work it drains pending commands without blocking, then steps.
-- Everything the loop receives is a snapshot: outputs are copied before they cross, and the
-  stats that arrive with them describe the engine right after the same step.
-- An add is all or nothing: if one request of a group is refused, the others are aborted and the
-  caller's `add` raises the engine's exception (SamplingParamError, GreedyRejected, ValueError).
+- Nothing the loop receives is touched by the engine again: deltas are new objects each step,
+  and the stats that arrive with them describe the engine right after the same step.
+- An add is the engine's `add_group`, all or nothing: if it refuses, the caller's `add` raises
+  the engine's exception (InvalidRequest for bad input; anything else is a bug).
 - If a step raises, every in-flight request is aborted (its KV blocks freed) and its stream
   raises EngineError; the thread keeps serving new requests.
 """
@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import queue
 import threading
 from dataclasses import dataclass
 
 from thermostat.engine.llm_engine import LLMEngine
-from thermostat.engine.outputs import RequestOutput
+from thermostat.engine.outputs import QueuedRequest, RequestDelta
 from thermostat.sampling import Resolution, SamplingParams
 from thermostat.server.errors import EngineError
 
@@ -38,11 +37,11 @@ log = logging.getLogger("thermostat.server")
 
 
 @dataclass(frozen=True)
-class EngineInput:
-    """One engine request: a prompt (token ids) and its resolved sampling."""
+class GroupInput:
+    """One response's requests: `len(prompts) * n` engine requests (LLMEngine.add_group)."""
 
-    req_id: str
-    prompt_token_ids: list[int]
+    group_id: str
+    prompts: list[list[int]]  # token ids
     params: SamplingParams
     resolution: Resolution
 
@@ -61,17 +60,22 @@ class EngineStats:
 
 
 class OutputStream:
-    """The outputs of a group of engine requests (one response's choices), in arrival order.
+    """The deltas of a group of engine requests (one response's choices), in arrival order.
 
-    Iterating yields `(index, RequestOutput)` until every request of the group has finished;
+    Iterating yields `(index, RequestDelta)` until every request of the group has finished;
     it raises EngineError if the engine failed. `abort()` stops the unfinished ones."""
 
-    def __init__(self, inputs: list[EngineInput], engine: AsyncEngine) -> None:
-        self.req_ids = [i.req_id for i in inputs]
-        self._index = {rid: i for i, rid in enumerate(self.req_ids)}
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._unfinished = set(self.req_ids)
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.queued: list[QueuedRequest] = []  # set when the engine accepts the group
+        self._index: dict[str, int] = {}
+        self._queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+        self._unfinished: set[str] = set()
         self._engine = engine
+
+    def _bind(self, queued: list[QueuedRequest]) -> None:
+        self.queued = queued
+        self._index = {q.req_id: q.index for q in queued}
+        self._unfinished = set(self._index)
 
     @property
     def finished(self) -> bool:
@@ -80,7 +84,7 @@ class OutputStream:
     def __aiter__(self) -> OutputStream:
         return self
 
-    async def __anext__(self) -> tuple[int, RequestOutput]:
+    async def __anext__(self) -> tuple[int, RequestDelta]:
         if not self._unfinished:
             raise StopAsyncIteration
         item = await self._queue.get()
@@ -103,13 +107,13 @@ class OutputStream:
         self._unfinished.clear()
         self._engine._active.discard(self)
 
-    def _put(self, item: RequestOutput | BaseException) -> None:
+    def _put(self, item: RequestDelta | BaseException) -> None:
         self._queue.put_nowait(item)
 
 
 @dataclass
 class _Add:
-    inputs: list[EngineInput]
+    group: GroupInput
     stream: OutputStream
     done: asyncio.Future[None]
 
@@ -117,6 +121,13 @@ class _Add:
 @dataclass
 class _Abort:
     req_ids: list[str]
+
+
+@dataclass
+class _AbortStream:
+    """Abort whatever of a stream's group the engine accepted (its add was cancelled)."""
+
+    stream: OutputStream
 
 
 class _Stop:
@@ -129,7 +140,9 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.stats = EngineStats()
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _AbortStream | _Stop] = (
+            queue.SimpleQueue()
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._streams: dict[str, OutputStream] = {}  # engine thread only: req_id -> stream
@@ -153,18 +166,19 @@ class AsyncEngine:
         """Groups (responses) still producing outputs."""
         return len(self._active)
 
-    async def add(self, inputs: list[EngineInput]) -> OutputStream:
-        """Queue a group of requests; raises the engine's error if any is refused."""
+    async def add(self, group: GroupInput) -> OutputStream:
+        """Queue a group of requests; raises the engine's error if it is refused. The stream's
+        `queued` lists the requests with the sampling each runs with."""
         if self._thread is None or not self._thread.is_alive():
             raise EngineError("the engine is not running")
-        stream = OutputStream(inputs, self)
+        stream = OutputStream(self)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending_adds += 1
-        self._commands.put(_Add(inputs, stream, done))
+        self._commands.put(_Add(group, stream, done))
         try:
             await done
         except asyncio.CancelledError:
-            self.abort(stream.req_ids)  # the add may have been applied already
+            self._commands.put(_AbortStream(stream))  # the add may have been applied
             raise
         finally:
             self._pending_adds -= 1
@@ -194,19 +208,20 @@ class AsyncEngine:
 
     def _publish(
         self,
-        results: list[tuple[asyncio.Future[None], BaseException | None]],
-        items: list[tuple[OutputStream, RequestOutput | BaseException]],
+        results: list[tuple[_Add, list[QueuedRequest] | BaseException]],
+        items: list[tuple[OutputStream, RequestDelta | BaseException]],
         stats: EngineStats,
     ) -> None:
-        """Runs on the loop: settle add futures, hand out outputs, take the new stats."""
+        """Runs on the loop: settle adds, hand out deltas, take the new stats."""
         self.stats = stats
-        for future, error in results:
-            if future.done():  # the caller was cancelled; its abort is already queued
+        for add, result in results:
+            if add.done.done():  # the caller was cancelled; its abort is already queued
                 continue
-            if error is None:
-                future.set_result(None)
+            if isinstance(result, BaseException):
+                add.done.set_exception(result)
             else:
-                future.set_exception(error)
+                add.stream._bind(result)
+                add.done.set_result(None)
         for stream, item in items:
             stream._put(item)
 
@@ -235,7 +250,7 @@ class AsyncEngine:
                 command = self._commands.get(block=not self.engine.has_unfinished())
             except queue.Empty:
                 command = None
-            results: list[tuple[asyncio.Future[None], BaseException | None]] = []
+            results: list[tuple[_Add, list[QueuedRequest] | BaseException]] = []
             while command is not None:
                 if isinstance(command, _Stop):
                     self._fail_all(EngineError("the server is shutting down"))
@@ -250,47 +265,47 @@ class AsyncEngine:
             if self.engine.has_unfinished():
                 self._step()
 
-    def _apply(self, command: _Add | _Abort, results: list) -> None:
-        if isinstance(command, _Abort):
-            for req_id in command.req_ids:
+    def _apply(self, command: _Add | _Abort | _AbortStream, results: list) -> None:
+        if isinstance(command, _Abort | _AbortStream):
+            if isinstance(command, _AbortStream):
+                req_ids = [r for r, s in self._streams.items() if s is command.stream]
+            else:
+                req_ids = command.req_ids
+            for req_id in req_ids:
                 self.engine.abort(req_id)
                 self._streams.pop(req_id, None)
             return
-        added: list[str] = []
+        group = command.group
         try:
-            for item in command.inputs:
-                self.engine.add_request(
-                    item.prompt_token_ids, item.params, item.req_id, item.resolution
-                )
-                added.append(item.req_id)
-        except Exception as exc:  # refused: nothing of the group stays queued
-            for req_id in added:
-                self.engine.abort(req_id)
-            results.append((command.done, exc))
+            queued = self.engine.add_group(
+                group.group_id, group.prompts, group.params, group.resolution
+            )
+        except Exception as exc:  # refused: the engine keeps nothing of the group
+            results.append((command, exc))
             return
-        for req_id in added:
-            self._streams[req_id] = command.stream
-        results.append((command.done, None))
+        for item in queued:
+            self._streams[item.req_id] = command.stream
+        results.append((command, queued))
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            deltas = self.engine.step()
         except Exception as exc:
             log.exception("engine step failed; failing %d in-flight requests", len(self._streams))
             self._fail_all(EngineError(f"the engine failed while generating: {exc!r}"))
             return
-        items: list[tuple[OutputStream, RequestOutput | BaseException]] = []
-        for out in outputs:
-            stream = self._streams.get(out.req_id)
+        items: list[tuple[OutputStream, RequestDelta | BaseException]] = []
+        for delta in deltas:
+            stream = self._streams.get(delta.req_id)
             if stream is None:
                 continue  # aborted meanwhile
-            if out.finished:
-                del self._streams[out.req_id]
-            items.append((stream, _snapshot(out)))
+            if delta.finished:
+                del self._streams[delta.req_id]
+            items.append((stream, delta))
         self._send([], items)
 
     def _fail_all(self, error: EngineError) -> None:
-        items: list[tuple[OutputStream, RequestOutput | BaseException]] = []
+        items: list[tuple[OutputStream, RequestDelta | BaseException]] = []
         failed: set[int] = set()
         for req_id, stream in list(self._streams.items()):
             try:
@@ -302,12 +317,3 @@ class AsyncEngine:
                 items.append((stream, error))
         self._streams.clear()
         self._send([], items)
-
-
-def _snapshot(out: RequestOutput) -> RequestOutput:
-    """A copy the engine will not mutate later (its logprob lists grow in place)."""
-    return dataclasses.replace(
-        out,
-        logprobs=None if out.logprobs is None else list(out.logprobs),
-        prompt_logprobs=None if out.prompt_logprobs is None else list(out.prompt_logprobs),
-    )

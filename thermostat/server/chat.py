@@ -21,13 +21,15 @@ def chat_response(job: Job, tokens: TokenText) -> ChatCompletionResponse:
     """The whole response; every choice has finished."""
     choices = []
     for index in range(job.num_choices):
-        out = job.finals[index]
+        choice = job.choices[index]
+        logprobs = None if choice.logprobs is None else chat_logprobs(choice.logprobs, tokens)
         choices.append(
             ChatChoice(
                 index=index,
-                message=ChatMessageOut(content=out.text),
-                logprobs=None if out.logprobs is None else chat_logprobs(out.logprobs, tokens),
-                **job.choice_end(index, out),
+                message=ChatMessageOut(content=choice.text),
+                logprobs=logprobs,
+                sampling=job.choice_sampling(index),
+                **job.choice_end(index),
             )
         )
     return ChatCompletionResponse(choices=choices, **job.final_fields())
@@ -46,22 +48,15 @@ async def chat_chunks(
         yield chunk(
             [ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]
         )
-    sent = [0] * job.num_choices  # logprob entries already sent, per choice
     async for index, out in job.events():
-        logprobs = None
-        if out.logprobs is not None:
-            logprobs = chat_logprobs(out.logprobs[sent[index] :], tokens)
-            sent[index] = len(out.logprobs)
-        delta = DeltaMessage(content=out.delta) if out.delta else DeltaMessage()
+        logprobs = None if out.new_logprobs is None else chat_logprobs(out.new_logprobs, tokens)
+        delta = DeltaMessage(content=out.new_text) if out.new_text else DeltaMessage()
         if not out.finished:
-            if out.delta or (logprobs and logprobs["content"]):
+            if out.new_text or (logprobs and logprobs["content"]):
                 yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs)])
             continue
         final = ChatChunkChoice(
-            index=index,
-            delta=delta,
-            logprobs=logprobs,
-            **job.choice_end(index, out),
+            index=index, delta=delta, logprobs=logprobs, **job.choice_end(index)
         )
         yield chunk([final], **job.last_chunk_fields(index))
     if include_usage:

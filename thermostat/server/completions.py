@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from thermostat.engine.outputs import RequestOutput
+from thermostat.engine.sampler import TokenLogprobs
 from thermostat.server.logprobs import TokenText, completion_logprobs
 from thermostat.server.prompts import Prompt
 from thermostat.server.protocol import CompletionChoice, CompletionResponse
@@ -22,32 +22,43 @@ def _prompt_text(prompt: Prompt, tokens: TokenText) -> str:
 
 
 def _logprobs(
-    out: RequestOutput, prompt: Prompt | None, start: int, tokens: TokenText, offset: int
+    entries: list[TokenLogprobs | None] | None,
+    token_ids: list[int],
+    prompt: Prompt | None,
+    prompt_logprobs: list[TokenLogprobs | None] | None,
+    tokens: TokenText,
+    offset: int,
 ) -> dict[str, Any] | None:
-    """Logprobs of generated tokens [start:], preceded by the prompt's when `prompt` is given."""
-    if out.logprobs is None:
+    """Logprobs of generated tokens (`entries`, for `token_ids`), preceded by the prompt's when
+    `prompt` is given; None when the request did not ask for logprobs."""
+    if entries is None:
         return None
-    entries: list[Any] = []
-    ids: list[int] = []
-    if prompt is not None and out.prompt_logprobs is not None:
-        entries += out.prompt_logprobs
-        ids += prompt.token_ids
-    entries += out.logprobs[start:]
-    ids += out.token_ids[start : len(out.logprobs)]
-    return completion_logprobs(entries, ids, tokens, offset)
+    if prompt is not None and prompt_logprobs is not None:
+        entries = [*prompt_logprobs, *entries]
+        token_ids = [*prompt.token_ids, *token_ids]
+    return completion_logprobs(entries, token_ids[: len(entries)], tokens, offset)
 
 
 def completion_response(job: Job, tokens: TokenText, echo: bool) -> CompletionResponse:
     choices = []
     for index in range(job.num_choices):
-        out = job.finals[index]
+        choice = job.choices[index]
         prompt = job.prompt_of(index)
+        logprobs = _logprobs(
+            choice.logprobs,
+            choice.token_ids,
+            prompt if echo else None,
+            job.prompt_logprobs.get(index),
+            tokens,
+            0,
+        )
         choices.append(
             CompletionChoice(
                 index=index,
-                text=(_prompt_text(prompt, tokens) if echo else "") + out.text,
-                logprobs=_logprobs(out, prompt if echo else None, 0, tokens, 0),
-                **job.choice_end(index, out),
+                text=(_prompt_text(prompt, tokens) if echo else "") + choice.text,
+                logprobs=logprobs,
+                sampling=job.choice_sampling(index),
+                **job.choice_end(index),
             )
         )
     return CompletionResponse(choices=choices, **job.final_fields())
@@ -62,27 +73,22 @@ async def completion_chunks(
     def chunk(choices: list[CompletionChoice], **extra: Any) -> CompletionResponse:
         return CompletionResponse(choices=choices, **job.header(), **extra)
 
-    sent = [0] * job.num_choices  # logprob entries already sent, per choice
     offset = [0] * job.num_choices  # text_offset of the next token, per choice
     started = [False] * job.num_choices
     async for index, out in job.events():
         prompt = job.prompt_of(index) if echo and not started[index] else None
         started[index] = True
-        text = (_prompt_text(prompt, tokens) if prompt else "") + out.delta
-        logprobs = _logprobs(out, prompt, sent[index], tokens, offset[index])
+        text = (_prompt_text(prompt, tokens) if prompt else "") + out.new_text
+        logprobs = _logprobs(
+            out.new_logprobs, out.new_token_ids, prompt, out.prompt_logprobs, tokens, offset[index]
+        )
         if logprobs is not None:
-            sent[index] = len(out.logprobs or [])
             offset[index] += sum(len(t) for t in logprobs["tokens"])
         if not out.finished:
             if text or (logprobs and logprobs["tokens"]):
                 yield chunk([CompletionChoice(index=index, text=text, logprobs=logprobs)])
             continue
-        final = CompletionChoice(
-            index=index,
-            text=text,
-            logprobs=logprobs,
-            **job.choice_end(index, out),
-        )
+        final = CompletionChoice(index=index, text=text, logprobs=logprobs, **job.choice_end(index))
         yield chunk([final], **job.last_chunk_fields(index))
     if include_usage:
         yield chunk([], usage=job.usage())

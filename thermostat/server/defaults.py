@@ -17,8 +17,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from thermostat.llm import build_sampling_defaults
 from thermostat.sampling import LAYERED_FIELDS, Policy, Resolution, SamplingDefaults, resolve
+from thermostat.sampling.defaults import build_sampling_defaults
 from thermostat.sampling.generation_config import (
     GenerationConfigDefaults,
     read_generation_config,

@@ -1,7 +1,14 @@
 """Errors in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}`.
 
-Bad input is a 4xx naming the parameter at fault, never a 500 and never a silent clamp. A 500
-means a genuine server fault (an engine crash), and says so.
+| exception                          | answer                                                  |
+|------------------------------------|---------------------------------------------------------|
+| APIError                           | as it says (raised by the HTTP layer itself)            |
+| InvalidRequest (thermostat.errors) | 400 naming `param` (sampling, prompts, engine admission)|
+| EngineError                        | 500 `engine_error`: a step failed, logged by the engine |
+| anything else (ValueError too)     | 500 `internal_error` with an error id, logged here      |
+
+Bad input is a 4xx naming the parameter at fault, never a 500 and never a silent clamp; a bug of
+ours is a 500, never a 400. Every 5xx is counted in `thermostat_server_errors_total`.
 """
 
 from __future__ import annotations
@@ -9,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from thermostat.sampling import GreedyRejected, SamplingParamError
+from thermostat.errors import InvalidRequest
 from thermostat.server.protocol import ErrorInfo, ErrorResponse
 
 log = logging.getLogger("thermostat.server")
@@ -49,18 +57,23 @@ class EngineError(RuntimeError):
 
 
 def classify(exc: BaseException) -> APIError:
-    """The APIError for an exception raised by resolution, the engine or the server."""
+    """The APIError for an exception raised by resolution, the engine or the server. An
+    unexpected one is logged with its traceback under a fresh error id, which the answer names
+    (the traceback itself stays in the log)."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, GreedyRejected):
-        return APIError(400, str(exc), param="temperature", code="greedy_rejected")
-    if isinstance(exc, SamplingParamError):
-        return APIError(400, str(exc), param=exc.param, code="invalid_value")
+    if isinstance(exc, InvalidRequest):
+        return APIError(400, str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, EngineError):
         return APIError(500, str(exc), type="server_error", code="engine_error")
-    if isinstance(exc, ValueError):  # the engine's "does not fit" refusals
-        return APIError(400, str(exc), param=getattr(exc, "param", None), code="invalid_value")
-    return APIError(500, f"internal error: {exc!r}", type="server_error", code="internal_error")
+    error_id = f"err-{uuid.uuid4().hex[:12]}"
+    log.error("internal error %s: %r", error_id, exc, exc_info=exc)
+    return APIError(
+        500,
+        f"internal server error (error id {error_id}; the server log has the details)",
+        type="server_error",
+        code="internal_error",
+    )
 
 
 def error_body(err: APIError) -> dict[str, Any]:
@@ -87,7 +100,9 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
 
 
 def refuse(request: Request, err: APIError) -> JSONResponse:
-    """The error response, after the request's one log line."""
+    """The error response, after the request's one log line (and, for a 5xx, the count)."""
+    if err.status >= 500:
+        count_server_error(request, err)
     line = {
         "path": request.url.path,
         "status": err.status,
@@ -97,6 +112,13 @@ def refuse(request: Request, err: APIError) -> JSONResponse:
     }
     request_log.info(json.dumps(line))
     return error_response(err)
+
+
+def count_server_error(request: Request, err: APIError) -> None:
+    """One more in `thermostat_server_errors_total{code}`."""
+    state = getattr(request.app.state, "thermostat", None)
+    if state is not None:
+        state.metrics.server_errors.labels(err.info.code or "unknown").inc()
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -116,11 +138,14 @@ def install_error_handlers(app: FastAPI) -> None:
         err = APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers)
         return refuse(request, err)
 
-    async def on_crash(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error", exc_info=exc)
-        return error_response(classify(exc))
+    async def on_invalid(request: Request, exc: Exception) -> JSONResponse:
+        return refuse(request, classify(exc))
+
+    async def on_crash(request: Request, exc: Exception) -> JSONResponse:
+        return refuse(request, classify(exc))
 
     app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(InvalidRequest, on_invalid)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(HTTPException, on_http)
     app.add_exception_handler(Exception, on_crash)

@@ -92,6 +92,13 @@ class Metrics:
             registry=r,
         )
 
+        self.server_errors = Counter(
+            "thermostat_server_errors",
+            "Requests answered with a server fault (5xx or an in-stream error), by code",
+            ["code"],
+            registry=r,
+        )
+
     def on_admitted(self, resolution: Resolution, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.temperature_source.labels(resolution.source["temperature"]).inc()

@@ -116,6 +116,7 @@ class ChatChoice(BaseModel):
     finish_reason: str | None
     stop_reason: int | str | None = None
     quality: dict[str, Any] = Field(default_factory=dict)
+    sampling: dict[str, Any] | None = _omit_none()  # where it differs from the response's
 
 
 class ChatCompletionResponse(BaseModel):
@@ -161,6 +162,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = _omit_none()
     quality: dict[str, Any] | None = _omit_none()
+    sampling: dict[str, Any] | None = _omit_none()  # where it differs from the response's
 
 
 class CompletionResponse(BaseModel):

@@ -8,6 +8,7 @@ and `echo` (which asks for the prompt's logprobs too).
 
 from __future__ import annotations
 
+from thermostat.errors import InvalidRequest
 from thermostat.sampling import SamplingParamError, SamplingParams
 from thermostat.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -18,9 +19,9 @@ MAX_N = 128  # samples per prompt
 def parse_body(raw: object) -> ChatCompletionRequest | CompletionRequest:
     """A chat or completions body, as /v1/sampling/explain and `thermostat explain` read one:
     with `prompt` it is a completions body, otherwise chat (its messages may be left out).
-    Raises ValueError for a non-object, pydantic's ValidationError for bad fields."""
+    Raises InvalidRequest for a non-object, pydantic's ValidationError for bad fields."""
     if not isinstance(raw, dict):
-        raise ValueError("the body must be a JSON object")
+        raise InvalidRequest(None, "the body must be a JSON object")
     if "prompt" in raw:
         return CompletionRequest.model_validate(raw)
     return ChatCompletionRequest.model_validate({"messages": []} | raw)

@@ -13,9 +13,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
+from thermostat.errors import InvalidRequest
 from thermostat.server.chat import chat_chunks, chat_response
 from thermostat.server.completions import completion_chunks, completion_response
-from thermostat.server.errors import APIError, error_body, validation_error
+from thermostat.server.errors import APIError, count_server_error, error_body, validation_error
 from thermostat.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,12 +38,14 @@ def _json(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
-def _sse(chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
+def _sse(request: Request, chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
                 yield f"data: {chunk.model_dump_json()}\n\n"
         except APIError as err:  # after the 200 went out: report in-band, then end the stream
+            if err.status >= 500:
+                count_server_error(request, err)
             yield f"data: {json.dumps(error_body(err))}\n\n"
         yield "data: [DONE]\n\n"
 
@@ -90,7 +93,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     prompt = state.prompts.chat(body.messages)
     job = await state.serving.submit("chat", body.model, [prompt], params)
     if body.stream:
-        return _sse(chat_chunks(job, state.tokens, _include_usage(body)))
+        return _sse(request, chat_chunks(job, state.tokens, _include_usage(body)))
     await job.collect(request)
     return _json(chat_response(job, state.tokens))
 
@@ -103,7 +106,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     job = await state.serving.submit("completions", body.model, prompts, params)
     echo = bool(body.echo)
     if body.stream:
-        return _sse(completion_chunks(job, state.tokens, echo, _include_usage(body)))
+        return _sse(request, completion_chunks(job, state.tokens, echo, _include_usage(body)))
     await job.collect(request)
     return _json(completion_response(job, state.tokens, echo))
 
@@ -127,7 +130,7 @@ async def sampling_explain(request: Request) -> dict[str, Any]:
         body = parse_body(raw)
     except ValidationError as exc:
         raise validation_error(list(exc.errors())) from exc
-    except ValueError as exc:
+    except InvalidRequest as exc:
         raise APIError(400, str(exc), code="invalid_body") from exc
     resolution = state.serving.explain(body.model, to_sampling_params(body))
     endpoint = "completions" if isinstance(body, CompletionRequest) else "chat"

@@ -1,9 +1,11 @@
 """Submitting a request to the engine and following it: `Serving.submit` -> `Job`.
 
 A Job is one response: `len(prompts) * n` engine requests (choice `index` is prompt
-`index // n`, sample `index % n`). It measures TTFT and inter-token latency, computes the quality
-report of each finished choice, feeds the metrics and writes the request's log line when it
-ends, however it ends (finished, client gone, engine error).
+`index // n`, sample `index % n`). It accumulates each choice from the engine's deltas, measures
+TTFT and inter-token latency, computes the quality report of each finished choice, feeds the
+metrics and writes the request's log line when it ends, however it ends (finished, client gone,
+engine error). What a choice reports as applied is what the engine accepted it with
+(`OutputStream.queued`): the resolution is never restated here.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from thermostat.engine.outputs import RequestOutput
+from thermostat.engine.outputs import Completion, RequestDelta
+from thermostat.engine.sampler import TokenLogprobs
 from thermostat.quality import quality_report
 from thermostat.sampling import (
     GreedyRejected,
@@ -29,8 +32,7 @@ from thermostat.sampling import (
     SamplingParams,
     resolve,
 )
-from thermostat.sampling.fanout import per_sample
-from thermostat.server.async_engine import AsyncEngine, EngineInput, OutputStream
+from thermostat.server.async_engine import AsyncEngine, GroupInput, OutputStream
 from thermostat.server.errors import APIError, classify
 from thermostat.server.metrics import Metrics
 from thermostat.server.prompts import Prompt
@@ -51,13 +53,13 @@ class Job:
     model: str
     prompts: list[Prompt]
     n: int
-    resolution: Resolution
     stream: OutputStream
     metrics: Metrics
     arrival: float  # time.monotonic()
     created: int = field(default_factory=lambda: int(time.time()))
-    finals: dict[int, RequestOutput] = field(default_factory=dict)
-    quality: dict[int, dict[str, Any]] = field(default_factory=dict)
+    choices: dict[int, Completion] = field(default_factory=dict)  # by index, as deltas arrive
+    quality: dict[int, dict[str, Any]] = field(default_factory=dict)  # of finished choices
+    prompt_logprobs: dict[int, list[TokenLogprobs | None]] = field(default_factory=dict)
     first_token_s: float | None = None
     num_generated: int = 0  # tokens generated so far, over all choices (aborted ones included)
     _last_token: dict[int, float] = field(default_factory=dict)
@@ -70,9 +72,17 @@ class Job:
     def prompt_of(self, index: int) -> Prompt:
         return self.prompts[index // self.n]
 
+    def resolution(self, index: int = 0) -> Resolution:
+        """What choice `index` runs with (each prompt's max_tokens fitted to its length, sample
+        j of a seeded request on seed + j); choice 0's is the response's `sampling`."""
+        return self.stream.queued[index].resolution
+
+    def choice(self, index: int) -> Completion:
+        return self.choices.setdefault(index, Completion())
+
     def usage(self) -> Usage:
         prompt = sum(len(p.token_ids) for p in self.prompts)
-        completion = sum(len(o.token_ids) for o in self.finals.values())
+        completion = sum(len(c.token_ids) for c in self.choices.values() if c.finished)
         return Usage(
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
         )
@@ -81,23 +91,30 @@ class Job:
         """Fields every response object and stream chunk of this job starts with."""
         return {"id": self.id, "created": self.created, "model": self.model}
 
-    def choice_end(self, index: int, out: RequestOutput) -> dict[str, Any]:
+    def choice_end(self, index: int) -> dict[str, Any]:
         """Fields of a finished choice: why it ended and its quality report."""
+        choice = self.choices[index]
         return {
-            "finish_reason": out.finish_reason,
-            "stop_reason": out.stop_reason,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
             "quality": self.quality[index],
         }
 
+    def choice_sampling(self, index: int) -> dict[str, Any] | None:
+        """A whole response's choice carries its own `sampling` where it differs from the
+        response's (another prompt's fitted max_tokens, a seeded sample's seed)."""
+        own = self.resolution(index).to_dict()
+        return None if own == self.resolution().to_dict() else own
+
     def last_chunk_fields(self, index: int) -> dict[str, Any]:
         """What the chunk that finishes choice `index` carries besides the choice."""
-        return {"sampling": self.resolution.to_dict(), "quality": self.quality[index]}
+        return {"sampling": self.resolution(index).to_dict(), "quality": self.quality[index]}
 
     def final_fields(self) -> dict[str, Any]:
         """The header plus what a whole (non-streamed) response adds: usage, sampling, quality."""
         return self.header() | {
             "usage": self.usage(),
-            "sampling": self.resolution.to_dict(),
+            "sampling": self.resolution().to_dict(),
             "quality": self.response_quality(),
         }
 
@@ -107,13 +124,14 @@ class Job:
         flagged = [r for r in reports if r.get("degenerate")]
         return (flagged or reports or [quality_report("")])[0]
 
-    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs as they come; on any exit the unfinished requests are aborted."""
+    async def events(self) -> AsyncIterator[tuple[int, RequestDelta]]:
+        """Deltas as they come, each already added to its choice; on any exit the unfinished
+        requests are aborted."""
         status = "aborted"
         try:
-            async for index, out in self.stream:
-                self._observe(index, out)
-                yield index, out
+            async for index, delta in self.stream:
+                self._observe(index, delta)
+                yield index, delta
             status = "ok"
         except APIError:
             status = "error"
@@ -125,21 +143,24 @@ class Job:
             self.stream.abort()
             self._log(status)
 
-    async def collect(self, request: Request) -> dict[int, RequestOutput]:
+    async def collect(self, request: Request) -> None:
         """Run to completion (non-streaming); raises ClientGone if the client leaves first."""
 
-        async def run() -> dict[int, RequestOutput]:
+        async def run() -> None:
             async for _ in self.events():
                 pass
-            return self.finals
 
-        return await until_disconnected(run(), request)
+        await until_disconnected(run(), request)
 
-    def _observe(self, index: int, out: RequestOutput) -> None:
+    def _observe(self, index: int, delta: RequestDelta) -> None:
         now = time.monotonic()
-        if out.new_token_ids:
-            self.num_generated += len(out.new_token_ids)
-            self.metrics.generation_tokens.inc(len(out.new_token_ids))
+        choice = self.choice(index)
+        choice.add(delta)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs[index] = delta.prompt_logprobs
+        if delta.new_token_ids:
+            self.num_generated += len(delta.new_token_ids)
+            self.metrics.generation_tokens.inc(len(delta.new_token_ids))
             last = self._last_token.get(index)
             if last is None:
                 self.metrics.ttft.observe(now - self.arrival)
@@ -148,19 +169,18 @@ class Job:
             else:
                 self.metrics.itl.observe(now - last)
             self._last_token[index] = now
-        if out.finished:
-            self.finals[index] = out
-            report = quality_report(out.text)
+        if delta.finished:
+            report = quality_report(choice.text)
             self.quality[index] = report
             self.metrics.on_quality(report)
-            if len(self.finals) == self.num_choices:
+            if len(self.quality) == self.num_choices:
                 self.metrics.e2e.observe(now - self.arrival)
 
     def _log(self, status: str) -> None:
         if self._logged:
             return
         self._logged = True
-        sampling = self.resolution.to_dict()
+        sampling = self.resolution().to_dict() if self.stream.queued else {}
         usage = self.usage()
         line = {
             "id": self.id,
@@ -168,12 +188,12 @@ class Job:
             "model": self.model,
             "status": status,
             "n": self.n,
-            "effective": sampling["effective"],
-            "source": sampling["source"],
-            "adjusted": sampling["adjusted"],
+            "effective": sampling.get("effective"),
+            "source": sampling.get("source"),
+            "adjusted": sampling.get("adjusted"),
             "prompt_tokens": usage.prompt_tokens,
             "completion_tokens": self.num_generated,
-            "finish_reason": [self.finals[i].finish_reason for i in sorted(self.finals)],
+            "finish_reason": [self.choices[i].finish_reason for i in sorted(self.quality)],
             "degenerate": [self.quality[i]["flags"] for i in sorted(self.quality)],
             "ttft_s": None if self.first_token_s is None else round(self.first_token_s, 4),
             "latency_s": round(time.monotonic() - self.arrival, 4),
@@ -254,20 +274,16 @@ class Serving:
             )
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         job_id = f"{prefix}-{uuid.uuid4().hex}"
-        n = params.n or 1
         try:
             resolution = resolve(params, self.defaults)
-            inputs = [
-                EngineInput(f"{job_id}-{i}-{j}", prompt.token_ids, params, child)
-                for i, prompt in enumerate(prompts)
-                for j, child in enumerate(per_sample(resolution, n))
-            ]
-            stream = await self.engine.add(inputs)
+            group = GroupInput(job_id, [p.token_ids for p in prompts], params, resolution)
+            stream = await self.engine.add(group)
         except Exception as exc:  # refusals become 4xx; an engine that is down, a 500
             if isinstance(exc, GreedyRejected):
                 self.metrics.adjustments.labels("greedy_reject").inc()
             raise classify(exc) from exc
-        self.metrics.on_admitted(resolution, sum(len(p.token_ids) for p in prompts))
-        return Job(
-            job_id, endpoint, self.model, prompts, n, resolution, stream, self.metrics, arrival
+        job = Job(
+            job_id, endpoint, self.model, prompts, params.n or 1, stream, self.metrics, arrival
         )
+        self.metrics.on_admitted(job.resolution(), sum(len(p.token_ids) for p in prompts))
+        return job
