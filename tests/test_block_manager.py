@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -23,6 +27,7 @@ from thermostat.engine.block_manager import (
 )
 
 BS = 4  # block size for the example-based tests
+OTHER = hash_block_tokens(None, [-1] * BS)  # a hash no test registers
 
 
 def snapshot(bm: BlockManager) -> dict:
@@ -64,6 +69,42 @@ def test_compute_block_hashes_is_chained() -> None:
     assert ha[1] == hash_block_tokens(ha[0], [9, 9, 9, 9])
     # A shared prefix gives shared leading hashes.
     assert compute_block_hashes(a + [0] * 4, BS)[:2] == ha
+
+
+def test_hash_depends_on_parent_and_on_every_token() -> None:
+    tokens = [1, 2, 3, 4]
+    root = hash_block_tokens(None, tokens)
+    assert isinstance(root, bytes) and len(root) == 16
+    assert hash_block_tokens(None, tokens) == root
+    assert hash_block_tokens(root, tokens) != root
+    assert hash_block_tokens(OTHER, tokens) != hash_block_tokens(root, tokens)
+    assert hash_block_tokens(None, [1, 2, 4, 3]) != root
+    # Token ids are packed as int64: large ids and their low bytes do not collide.
+    assert hash_block_tokens(None, [1 + 2**32, 2, 3, 4]) != root
+
+
+def test_hash_is_the_same_in_every_process() -> None:
+    """Prefill and decode servers run in different processes: Python's hash() differs there
+    (string hashing is seeded per process), a block hash must not."""
+    code = (
+        "from thermostat.engine.block_manager import compute_block_hashes;"
+        "print([h.hex() for h in compute_block_hashes(list(range(100, 140)), 16)])"
+    )
+    outputs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            cwd=Path(__file__).resolve().parents[1],  # this checkout's package
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        outputs.append(proc.stdout)
+    expected = str([h.hex() for h in compute_block_hashes(list(range(100, 140)), 16)])
+    assert outputs == [expected + "\n"] * 2
 
 
 # --- allocation ----------------------------------------------------------------------------------
@@ -202,8 +243,8 @@ def test_lookup_returns_longest_cached_prefix_only() -> None:
     assert bm.allocate("a", 12)
     bm.cache_blocks("a", hashes)
     assert bm.lookup(hashes) == [0, 1, 2]
-    assert bm.lookup([hashes[0], 12345, hashes[2]]) == [0]  # stops at the first miss
-    assert bm.lookup([12345, *hashes]) == []
+    assert bm.lookup([hashes[0], OTHER, hashes[2]]) == [0]  # stops at the first miss
+    assert bm.lookup([OTHER, *hashes]) == []
     assert bm.lookup([]) == []
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (3 + 3 + 4, 3 + 1)
 
@@ -222,7 +263,7 @@ def test_cache_blocks_skips_hashed_and_duplicate_blocks() -> None:
     assert [bm.blocks[b].hash for b in bm.block_table("b")] == [None, None]
     assert bm.lookup(hashes) == [0, 1]
     with pytest.raises(ValueError):
-        bm.cache_blocks("a", hashes + [123])
+        bm.cache_blocks("a", [*hashes, OTHER])
     bm.check_integrity()
 
 
@@ -307,7 +348,7 @@ def test_check_integrity_detects_corruption() -> None:
         broken.check_integrity()
 
     broken = copy.deepcopy(bm)
-    broken.blocks[1].hash = 12345
+    broken.blocks[1].hash = OTHER
     with pytest.raises(AssertionError, match="hash map"):
         broken.check_integrity()
 

@@ -25,6 +25,7 @@ from thermostat.quality import (
 )
 from thermostat.quality import cli as quality_cli
 from thermostat.quality.cycles import TailRuns, best_cycle, tail_runs
+from thermostat.quality.loops import ends_in_loop, loop_in_tail
 from thermostat.quality.markup import has_markup
 from thermostat.quality.tokens import IncrementalTokenizer, tokenize
 
@@ -216,6 +217,81 @@ def test_repetitive_without_exact_loop() -> None:
     report = analyze(text)
     assert report.flags == ("repetitive",), report.reasons
     assert report.signals["seq_rep_4"] > DEFAULT.max_seq_rep_4
+
+
+# ---- loops over model token ids (tools/demo_sweep.py) ----
+
+IDS_LOOP = DetectorConfig(max_period_tokens=50, min_loop_repeats=2, min_loop_tokens=60)
+
+
+def test_ids_ending_in_a_loop() -> None:
+    unit = [11, 12, 13, 14, 15, 16, 17]
+    ids = list(range(100, 140)) + unit * 12 + unit[:3]
+    loop = ends_in_loop(ids, IDS_LOOP)
+    assert loop is not None
+    assert (loop.period, loop.span, loop.repeats) == (7, 7 * 12 + 3, 12)
+    assert loop.unit == tuple(str(t) for t in unit)
+    assert loop_in_tail(ids, 100, IDS_LOOP) == loop
+    # No language test over ids; the default thresholds need 3 cycles and 32 items.
+    assert ends_in_loop([5, 6] * 16) is not None and ends_in_loop([5, 6] * 15 + [5]) is None
+
+
+def test_ids_loop_thresholds() -> None:
+    assert ends_in_loop([1] * 60, IDS_LOOP) is not None
+    assert ends_in_loop([2] + [1] * 59, IDS_LOOP) is None  # span 59 < 60
+    unit = list(range(40))
+    assert ends_in_loop(unit * 2, IDS_LOOP).period == 40  # 2 cycles, span 80
+    assert ends_in_loop(unit + unit[:35], IDS_LOOP) is None  # span 75 < 2 x 40
+    assert ends_in_loop(list(range(51)) * 3, IDS_LOOP) is None  # period > 50
+
+
+def test_loop_left_before_the_end_is_only_in_the_tail() -> None:
+    looped = [1, 2, 3] * 25 + [9, 8, 7, 6, 5]
+    assert ends_in_loop(looped, IDS_LOOP) is None
+    assert loop_in_tail(looped, 100, IDS_LOOP).period == 3
+    assert loop_in_tail(looped + list(range(100, 130)), 100, IDS_LOOP).span == 65
+    # Only the 55 ids of the loop inside the last 100 count.
+    assert loop_in_tail(looped + list(range(100, 145)), 100, IDS_LOOP) is None
+
+
+def _periodic_stretches(ids: list[int], max_period: int) -> list[tuple[int, int, int]]:
+    """(period, start, end) of every maximal stretch with ids[i] == ids[i + period]."""
+    out = []
+    for p in range(1, max_period + 1):
+        start = 0
+        for i in range(len(ids) + 1):
+            if i + p >= len(ids) or ids[i] != ids[i + p]:
+                if i + p - start > p:  # at least one match: the stretch is [start, i + p)
+                    out.append((p, start, min(i + p, len(ids))))
+                start = i + 1
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 2), max_size=40),
+    min_span=st.integers(1, 12),
+    repeats=st.integers(2, 3),
+    window=st.integers(1, 30),
+)
+def test_ids_loops_match_their_definition(
+    ids: list[int], min_span: int, repeats: int, window: int
+) -> None:
+    """Brute force: a loop is a stretch with period p <= 5 of at least max(min_span,
+    repeats x p) ids; `ends_in_loop` wants one at the very end, `loop_in_tail` one inside the
+    last `window` ids."""
+    config = DetectorConfig(max_period_tokens=5, min_loop_repeats=repeats, min_loop_tokens=min_span)
+    n = len(ids)
+    loops = [
+        (p, a, b) for p, a, b in _periodic_stretches(ids, 5) if b - a >= max(min_span, repeats * p)
+    ]
+    at_end = [(p, b - a) for p, a, b in loops if b == n]
+    found = ends_in_loop(ids, config)
+    assert (found is not None) == bool(at_end)
+    if found is not None:  # longest span, then shortest period
+        assert (found.period, found.span) == min(at_end, key=lambda c: (-c[1], c[0]))
+    in_window = any(b - max(a, n - window) >= max(min_span, repeats * p) for p, a, b in loops)
+    assert (loop_in_tail(ids, window, config) is not None) == in_window
 
 
 # ---- HTML ----

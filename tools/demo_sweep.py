@@ -12,13 +12,16 @@ Metrics per setting (over its generations; generated tokens only, never the prom
   token sequence t[0..n) ends in a loop when, for some period p in 1..50, its longest suffix
   with period p (every token equals the token p places after it: t[i] == t[i+p]) is at least
   max(60, 2p) tokens long. That is, the last 60 or more tokens are one p-token unit repeated (at
-  least twice), and the generation was still repeating it when it was cut off. The smallest such
-  p is reported; "loop span" is the mean length of those suffixes.
+  least twice), and the generation was still repeating it when it was cut off. This is the
+  quality package's `loop` view over token ids (`thermostat.quality.loops.ends_in_loop` with
+  LOOPS below), which reports the longest such suffix, then the shortest period; "loop span" is
+  the mean length of those suffixes.
 * tail-loop rate (loop in the last 100 tokens): the fraction of generations whose last 100
   tokens contain a stretch of at least max(60, 2p) tokens with period p (1 <= p <= 50), i.e. the
   same kind of loop, but one the model may have broken out of a few tokens before the cut (a
-  small model's greedy text often runs a loop for 100+ tokens and then varies one word).
-  Every generation that ends in a loop also counts here, so this rate is never lower.
+  small model's greedy text often runs a loop for 100+ tokens and then varies one word;
+  `thermostat.quality.loops.loop_in_tail`). Every generation that ends in a loop also counts
+  here, so this rate is never lower.
 * distinct-2 / distinct-3: unique n-grams / all n-grams of one generation's tokens, averaged
   over generations (1.0 = no n-gram repeats; loops drive it down).
 * model ppl: perplexity of the generated tokens under the model itself (given the prompt). Low
@@ -56,16 +59,22 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
+
+from thermostat.quality import DetectorConfig
+from thermostat.quality.loops import ends_in_loop, loop_in_tail
 
 TEMPERATURES = (0.3, 0.5, 0.7, 0.8, 0.9, 1.0)
 TOP_PS = (0.8, 0.9, 0.95, 1.0)
 MAX_PERIOD = 50
 MIN_LOOP_SPAN = 60
 TAIL_WINDOW = 100
+# A loop: period <= MAX_PERIOD, at least 2 complete cycles covering at least MIN_LOOP_SPAN tokens.
+LOOPS = DetectorConfig(
+    max_period_tokens=MAX_PERIOD, min_loop_repeats=2, min_loop_tokens=MIN_LOOP_SPAN
+)
 NGRAM_TOLERANCE = 1.2
 DISTINCT_TOLERANCE = 0.9
 RULE = (
@@ -189,42 +198,6 @@ class SweepReport:
 # ----------------------------------------------------------------------------- metrics
 
 
-def tail_loop(tokens: list[int], max_period: int = MAX_PERIOD, min_span: int = MIN_LOOP_SPAN):
-    """(period, span) of the loop the sequence ends in, or (None, 0); see the module docstring."""
-    n = len(tokens)
-    for p in range(1, max_period + 1):
-        need = max(min_span, 2 * p)
-        if need > n:
-            break
-        i = n - 1 - p
-        while i >= 0 and tokens[i] == tokens[i + p]:
-            i -= 1
-        span = n - 1 - i  # longest suffix with period p
-        if span >= need:
-            return p, span
-    return None, 0
-
-
-def loop_in_tail(
-    tokens: list[int],
-    window: int = TAIL_WINDOW,
-    max_period: int = MAX_PERIOD,
-    min_span: int = MIN_LOOP_SPAN,
-) -> int | None:
-    """Smallest period p of a loop stretch inside the last `window` tokens (module docstring)."""
-    tail = np.asarray(tokens[-window:])
-    for p in range(1, max_period + 1):
-        need = max(min_span, 2 * p)
-        if need > len(tail):
-            break
-        same = np.concatenate([[False], tail[p:] == tail[:-p], [False]])
-        edges = np.flatnonzero(np.diff(same.astype(np.int8)))
-        longest = int((edges[1::2] - edges[::2]).max()) if len(edges) else 0
-        if longest + p >= need:  # a run of r matches t[i]==t[i+p] spans r + p tokens
-            return p
-    return None
-
-
 def distinct_n(tokens: list[int], n: int) -> float:
     grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
     return len(set(grams)) / len(grams) if grams else 0.0
@@ -306,12 +279,13 @@ def generate(model, tok, prompts: list[str], setting: Setting, seed: int, new_to
 
 
 def measure(tokens: list[int], text: str, model_nll: float, bigram: BigramModel, **ids) -> Sample:
-    period, span = tail_loop(tokens)
+    loop = ends_in_loop(tokens, LOOPS)
+    tail = loop_in_tail(tokens, TAIL_WINDOW, LOOPS)
     ngram_nll, n_words = bigram.nll(text)
     return Sample(
-        loop_period=period,
-        loop_span=span,
-        tail_loop_period=loop_in_tail(tokens),
+        loop_period=loop.period if loop else None,
+        loop_span=loop.span if loop else 0,
+        tail_loop_period=tail.period if tail else None,
         distinct2=distinct_n(tokens, 2),
         distinct3=distinct_n(tokens, 3),
         model_nll=model_nll,

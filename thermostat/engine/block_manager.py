@@ -5,30 +5,42 @@ module owns only block ids and bookkeeping, never tensors. Each request has a bl
 position ``p`` lives in ``table[p // block_size]``, slot ``p % block_size``.
 
 A full block whose tokens are all computed can be registered under a chained hash (its own tokens
-plus the hash of the block before it), so a later request with the same prefix can reuse it.
+plus the hash of the block before it), so a later request with the same prefix can reuse it. The
+hash is a digest of bytes, equal in every process (unlike ``hash()``), so a prefill server and a
+decode server agree on which blocks hold a prefix.
 Freed blocks keep their hash while they wait in the free queue; they are evicted (hash cleared)
 only when the allocator hands them out again, least recently freed first.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-
-def hash_block_tokens(parent_hash: int | None, tokens: Sequence[int]) -> int:
-    """Chained hash of one FULL block: ``hash((parent_hash, tuple(tokens)))``."""
-    return hash((parent_hash, tuple(tokens)))
+BLOCK_HASH_BYTES = 16
+_ROOT_HASH = bytes(BLOCK_HASH_BYTES)  # the parent of a sequence's first block
 
 
-def compute_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+def hash_block_tokens(parent_hash: bytes | None, tokens: Sequence[int]) -> bytes:
+    """Chained hash of one FULL block, the same in every process and on every machine.
+
+    ``blake2b(parent_hash + tokens as little-endian int64, digest_size=16)``; the first block's
+    parent (``None``) counts as 16 zero bytes.
+    """
+    data = (parent_hash or _ROOT_HASH) + struct.pack(f"<{len(tokens)}q", *tokens)
+    return hashlib.blake2b(data, digest_size=BLOCK_HASH_BYTES).digest()
+
+
+def compute_block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
     """Hashes of every full block of ``token_ids``, chained from the first block.
 
     A partial trailing block gets no hash.
     """
-    hashes: list[int] = []
-    parent: int | None = None
+    hashes: list[bytes] = []
+    parent: bytes | None = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block_tokens(parent, token_ids[start : start + block_size])
         hashes.append(parent)
@@ -41,7 +53,7 @@ class Block:
 
     block_id: int
     ref_count: int = 0
-    hash: int | None = None  # set once the block is full and registered in the prefix cache
+    hash: bytes | None = None  # set once the block is full and registered in the prefix cache
 
 
 class BlockManager:
@@ -64,7 +76,7 @@ class BlockManager:
         self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
         # Free queue, front = next to be handed out. OrderedDict gives O(1) removal on revival.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._hash_to_block: dict[int, int] = {}
+        self._hash_to_block: dict[bytes, int] = {}
         self._tables: dict[str, list[int]] = {}
         self.prefix_cache_queries = 0  # in blocks
         self.prefix_cache_hits = 0  # in blocks
@@ -87,7 +99,7 @@ class BlockManager:
         """Blocks needed to hold ``num_tokens`` slots: ``ceil(num_tokens / block_size)``."""
         return -(-num_tokens // self.block_size)
 
-    def lookup(self, block_hashes: list[int]) -> list[int]:
+    def lookup(self, block_hashes: list[bytes]) -> list[int]:
         """Block ids of the longest cached prefix of ``block_hashes``. Changes no ref counts.
 
         Returns ``[]`` when prefix caching is disabled (and then counts nothing).
@@ -159,7 +171,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free[b] = None
 
-    def cache_blocks(self, req_id: str, block_hashes: list[int]) -> None:
+    def cache_blocks(self, req_id: str, block_hashes: list[bytes]) -> None:
         """Register the request's first ``len(block_hashes)`` blocks in the prefix cache.
 
         The caller passes hashes only for full, fully computed blocks. Already-hashed blocks are
@@ -208,7 +220,7 @@ class BlockManager:
         expected_free = {block.block_id for block in self.blocks if block.ref_count == 0}
         require(set(self._free) == expected_free, "free queue: != blocks with ref_count 0")
         for h, b in self._hash_to_block.items():
-            require(self.blocks[b].hash == h, f"hash map: {h} -> block {b} with another hash")
+            require(self.blocks[b].hash == h, f"hash map: {h.hex()} -> block {b} with another hash")
         for block in self.blocks:
             if block.hash is not None:
                 require(

@@ -41,7 +41,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
-    block_hashes: list[int] = field(default_factory=list)  # of every full block, chained
+    block_hashes: list[bytes] = field(default_factory=list)  # of every full block, chained
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     stop_reason: str | int | None = None  # the stop token id, stop string or "loop" of a "stop"

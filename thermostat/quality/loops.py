@@ -14,15 +14,19 @@ for symbols and markup, 800 for cycles with digits (healthy code has long number
 A counting loop is a list that keeps going with the same content ("Step 7: Repeat the last
 step.", "8. Apples"): exact cycles miss it because its number changes every cycle.
 `loop` and `char_loop` are exact repetition: certain, they set `loop_detected` in streaming.
+
+Offline metrics over a model's token ids (`ends_in_loop`, `loop_in_tail`; tools/demo_sweep.py)
+use the `loop` view with the ids as items and no language test: ids carry no text.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import numpy as np
 
-from thermostat.quality.config import DetectorConfig
+from thermostat.quality.config import DEFAULT, DetectorConfig
 from thermostat.quality.cycles import Runs, TailCycle, best_cycle, tail_runs
 from thermostat.quality.tokens import has_letter
 
@@ -47,12 +51,13 @@ def numbers_aside(token: str) -> str:
     return NUMBER if token.isdecimal() else token
 
 
+def is_long_loop(cycle: TailCycle, config: DetectorConfig) -> bool:
+    """Enough cycles covering enough items: the `loop` thresholds, whatever the items are."""
+    return cycle.repeats >= config.min_loop_repeats and cycle.span >= config.min_loop_tokens
+
+
 def is_loop(cycle: TailCycle, config: DetectorConfig) -> bool:
-    return (
-        cycle.repeats >= config.min_loop_repeats
-        and cycle.span >= config.min_loop_tokens
-        and is_language(cycle.unit)
-    )
+    return is_long_loop(cycle, config) and is_language(cycle.unit)
 
 
 def is_counting_loop(cycle: TailCycle, config: DetectorConfig) -> bool:
@@ -127,3 +132,30 @@ def char_cycle(text: str, config: DetectorConfig) -> TailCycle | None:
             break
         width *= 8
     return best_cycle(runs, lambda p: window[-2 * p :], lambda c: is_char_loop(c, config))
+
+
+# ---- over model token ids: the `loop` view without the language test ----
+
+
+def ends_in_loop(token_ids: Sequence[int], config: DetectorConfig = DEFAULT) -> TailCycle | None:
+    """The loop `token_ids` ends in, or None: among the tail cycles with period up to
+    `max_period_tokens` that pass `is_long_loop`, the one with the longest span, then the
+    shortest period. The cycle's unit holds the ids as decimal strings."""
+    tail = token_ids[len(token_ids) - min(len(token_ids), 2 * config.max_period_tokens) :]
+    items = [str(t) for t in tail]
+    runs = tail_runs(np.asarray(token_ids, dtype=np.int64), config.max_period_tokens)
+    cycle = best_cycle(runs, lambda p: items[-2 * p :], lambda c: is_long_loop(c, config))
+    return cycle if cycle is not None and is_long_loop(cycle, config) else None
+
+
+def loop_in_tail(
+    token_ids: Sequence[int], window: int, config: DetectorConfig = DEFAULT
+) -> TailCycle | None:
+    """A loop lying wholly inside the last `window` ids, which may stop before the end (the
+    sequence broke out of it): the loop the longest prefix of that window ends in, or None."""
+    tail = token_ids[len(token_ids) - min(len(token_ids), window) :]
+    for end in range(len(tail), config.min_loop_tokens - 1, -1):
+        cycle = ends_in_loop(tail[:end], config)
+        if cycle is not None:
+            return cycle
+    return None
