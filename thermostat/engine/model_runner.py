@@ -108,14 +108,8 @@ class ModelRunner:
     def _sampling_batch(self, chunks: list[ScheduledChunk]) -> SamplingBatch:
         reqs = [self.requests[c.req_id] for c in chunks]
         params = [r.data.params for r in reqs]
-        return SamplingBatch(
-            temperature=[p.temperature for p in params],
-            top_k=[p.top_k for p in params],
-            top_p=[p.top_p for p in params],
-            min_p=[p.min_p for p in params],
-            repetition_penalty=[p.repetition_penalty for p in params],
-            frequency_penalty=[p.frequency_penalty for p in params],
-            presence_penalty=[p.presence_penalty for p in params],
+        return SamplingBatch.of(
+            params,
             generators=[r.generator for r in reqs],
             prompt_ids=[r.data.prompt_token_ids for r in reqs],
             output_ids=[r.output_token_ids for r in reqs],

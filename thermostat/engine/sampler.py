@@ -7,12 +7,18 @@ All arithmetic is float32 on the logits' device; a row must keep at least one fi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 import torch
 
+from thermostat.sampling.fields import BATCH_FIELDS, FIELD
+from thermostat.sampling.params import EffectiveParams
+
 _NEG_INF = float("-inf")
+_TORCH_DTYPES = {"float32": torch.float32, "int64": torch.int64}  # the table's batch_dtype names
 
 
 def token_counts(
@@ -142,7 +148,8 @@ def sample_from_probs(
 
 @dataclass
 class SamplingBatch:
-    """Per-batch sampling inputs; row i belongs to request i of the batch."""
+    """Per-batch sampling inputs; row i belongs to request i of the batch. The parameter columns
+    are the sampling table's batch fields (`sampling.fields.BATCH_FIELDS`), built by `of`."""
 
     temperature: list[float]  # 0.0 = greedy
     top_k: list[int]  # -1 = off
@@ -156,6 +163,13 @@ class SamplingBatch:
     output_ids: list[list[int]]  # tokens generated so far
     banned_ids: list[list[int]]  # token ids forbidden this step (e.g. EOS before min_tokens)
     num_logprobs: list[int | None]  # None = no logprobs; k >= 0 = chosen + top-k alternatives
+
+    @classmethod
+    def of(cls, params: Sequence[EffectiveParams], **rows: Any) -> SamplingBatch:
+        """A batch with one parameter column per batch field of the table, taken from `params`
+        (one per row); `rows` gives the other per-row lists."""
+        columns = {f.name: [getattr(p, f.name) for p in params] for f in BATCH_FIELDS}
+        return cls(**columns, **rows)
 
 
 @dataclass
@@ -196,8 +210,16 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if any(k is not None for k in batch.num_logprobs):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
 
-    def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def column(name: str, rows: list[int] | None = None) -> torch.Tensor:
+        """Batch field `name` (of `rows`, default all) as a tensor of the table's dtype."""
+        values = getattr(batch, name)
+        if rows is not None:
+            values = [values[i] for i in rows]
+        dtype = _TORCH_DTYPES[FIELD[name].batch_dtype]
         return torch.tensor(values, dtype=dtype, device=device)
+
+    def index(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
 
     rep_on = any(r != 1.0 for r in batch.repetition_penalty)
     freq_on = any(f != 0.0 for f in batch.frequency_penalty)
@@ -208,9 +230,9 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
             logits,
             prompt_counts,
             output_counts,
-            column(batch.repetition_penalty),
-            column(batch.frequency_penalty),
-            column(batch.presence_penalty),
+            column("repetition_penalty"),
+            column("frequency_penalty"),
+            column("presence_penalty"),
         )
 
     greedy = [t == 0.0 for t in batch.temperature]
@@ -220,31 +242,25 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         token_ids = torch.empty(rows, dtype=torch.int64, device=device)
         picked = [i for i, g in enumerate(greedy) if not g]
         if len(picked) < rows:
-            greedy_idx = column([i for i, g in enumerate(greedy) if g], torch.int64)
+            greedy_idx = index([i for i, g in enumerate(greedy) if g])
             token_ids[greedy_idx] = argmax_rows(logits[greedy_idx])
-            picked_idx = column(picked, torch.int64)
+            picked_idx = index(picked)
             logits = logits[picked_idx]
         else:
             picked_idx = torch.arange(rows, device=device)
 
-        def pick(values: list) -> list:
-            return [values[i] for i in picked]
-
-        logits = apply_temperature(logits, column(pick(batch.temperature)))
+        logits = apply_temperature(logits, column("temperature", picked))
         logits = apply_top_k_top_p_min_p(
-            logits,
-            column(pick(batch.top_k), torch.int64),
-            column(pick(batch.top_p)),
-            column(pick(batch.min_p)),
+            logits, column("top_k", picked), column("top_p", picked), column("min_p", picked)
         )
         probs = torch.softmax(logits, dim=-1)
-        token_ids[picked_idx] = sample_from_probs(probs, pick(batch.generators))
+        token_ids[picked_idx] = sample_from_probs(probs, [batch.generators[i] for i in picked])
 
     chosen = token_ids.tolist()
     logprobs: list[TokenLogprobs | None] = [None] * rows
     if raw_logprobs is not None:
         want = [i for i, k in enumerate(batch.num_logprobs) if k is not None]
-        idx = column(want, torch.int64)
+        idx = index(want)
         lp = raw_logprobs[idx]  # [R, V]
         chosen_lp = lp.gather(1, token_ids[idx][:, None])  # [R, 1]
         ranks = ((lp > chosen_lp).sum(dim=-1) + 1).tolist()

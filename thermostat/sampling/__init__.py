@@ -3,6 +3,7 @@ the gateway uses this package without an engine."""
 
 from __future__ import annotations
 
+from thermostat.sampling.fields import FIELDS, Bound, SamplingField
 from thermostat.sampling.params import (
     LAYERED_FIELDS,
     EffectiveParams,
@@ -19,13 +20,16 @@ from thermostat.sampling.resolve import (
 )
 
 __all__ = [
+    "FIELDS",
     "LAYERED_FIELDS",
     "Adjustment",
+    "Bound",
     "EffectiveParams",
     "GreedyRejected",
     "Policy",
     "Resolution",
     "SamplingDefaults",
+    "SamplingField",
     "SamplingParamError",
     "SamplingParams",
     "resolve",

@@ -16,8 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from thermostat.sampling import LAYERED_FIELDS, SamplingParamError
-from thermostat.sampling.params import validate_layered
+from thermostat.sampling.fields import FIELD, LAYERED_FIELDS, SamplingParamError
 
 
 class SpecError(ValueError):
@@ -60,22 +59,26 @@ def _parse_pairs(spec: str) -> dict[str, Any]:
             )
         if key in values:
             raise SpecError(f"{key} is given twice")
+        _check_known(key, "")
         try:
-            values[key] = int(text) if key == "top_k" else float(text)
+            values[key] = FIELD[key].parse(text)
         except ValueError as exc:
-            kind = "an integer" if key == "top_k" else "a number"
-            raise SpecError(f"{key} must be {kind}, got {text!r}") from exc
+            raise SpecError(f"{key} must be {FIELD[key].expected}, got {text!r}") from exc
     return values
+
+
+def _check_known(key: str, where: str) -> None:
+    if key not in LAYERED_FIELDS:
+        raise SpecError(
+            f"{where}unknown sampling field {key!r}; known: {', '.join(LAYERED_FIELDS)}"
+        )
 
 
 def _validated(values: dict[str, Any], where: str) -> dict[str, Any]:
     for key, value in values.items():
-        if key not in LAYERED_FIELDS:
-            raise SpecError(
-                f"{where}unknown sampling field {key!r}; known: {', '.join(LAYERED_FIELDS)}"
-            )
+        _check_known(key, where)
         try:
-            validate_layered(key, value)
+            FIELD[key].check(value)
         except SamplingParamError as exc:
             raise SpecError(f"{where}{exc}") from exc
     return values

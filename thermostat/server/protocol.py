@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from thermostat.sampling.fields import FIELDS
 
 
 class _Strict(BaseModel):
@@ -43,35 +45,24 @@ class ChatMessage(_Strict):
     content: str | list[ContentPart] | None = None
 
 
-class _GenerationRequest(_Strict):
-    """Fields both generation endpoints accept. vLLM/SGLang extras (top_k, min_p,
-    repetition_penalty, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens) are plain
-    body fields, sent by the openai client through `extra_body`."""
-
-    model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    max_tokens: int | None = None
-    min_tokens: int | None = None
-    n: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    user: str | None = None
+# Fields both generation endpoints accept: the table's body fields, each `T | None = None`.
+# vLLM/SGLang extras (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
+# skip_special_tokens) are plain body fields, sent by the openai client through `extra_body`.
+_GenerationRequest = create_model(
+    "_GenerationRequest",
+    __base__=_Strict,
+    __module__=__name__,
+    model=(str | None, None),
+    **{f.name: (f.annotation | None, Field(None, description=f.doc)) for f in FIELDS if f.body},
+    stream=(bool | None, None),
+    stream_options=(StreamOptions | None, None),
+    user=(str | None, None),
+)
 
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    max_completion_tokens: int | None = None  # OpenAI's newer name; an alias of max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = None
 

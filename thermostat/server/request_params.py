@@ -1,6 +1,7 @@
 """The one place a request body becomes SamplingParams.
 
-Fields the client did not send stay None, so the resolver fills them from the server's layers;
+The fields both endpoints share are copied by a loop over the sampling field table. Fields the
+client did not send stay None, so the resolver fills them from the server's layers;
 nothing here supplies a default. Shape differences between the endpoints end here: chat's
 `logprobs: bool` + `top_logprobs: int` and `max_completion_tokens`, completions' `logprobs: int`
 and `echo` (which asks for the prompt's logprobs too).
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from thermostat.errors import InvalidRequest
 from thermostat.sampling import SamplingParamError, SamplingParams
+from thermostat.sampling.fields import FIELDS
 from thermostat.server.protocol import ChatCompletionRequest, CompletionRequest
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI and vLLM allow
@@ -28,18 +30,23 @@ def parse_body(raw: object) -> ChatCompletionRequest | CompletionRequest:
 
 
 def to_sampling_params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
-    """Raises SamplingParamError (naming the field) for values no resolution could accept."""
+    """Raises SamplingParamError (naming the field) for what only the HTTP shape can get wrong
+    (top_logprobs without logprobs, more alternatives or samples than served). The values
+    themselves are validated once, by `resolve`."""
+    values = {}
+    for field in FIELDS:
+        if field.body:
+            values[field.name] = getattr(body, field.name)
+            for alias in field.aliases:  # max_completion_tokens: chat only, wins over max_tokens
+                if getattr(body, alias, None) is not None:
+                    values[field.name] = getattr(body, alias)
     prompt_logprobs = None
     if isinstance(body, ChatCompletionRequest):
-        max_tokens = body.max_tokens
-        if body.max_completion_tokens is not None:
-            max_tokens = body.max_completion_tokens
         if body.top_logprobs is not None and not body.logprobs:
             raise SamplingParamError("top_logprobs", "requires logprobs: true")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         logprobs_field = "top_logprobs"
     else:
-        max_tokens = body.max_tokens
         logprobs = body.logprobs
         logprobs_field = "logprobs"
         if body.echo and logprobs is not None:
@@ -48,24 +55,4 @@ def to_sampling_params(body: ChatCompletionRequest | CompletionRequest) -> Sampl
         raise SamplingParamError(logprobs_field, f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
     if body.n is not None and body.n > MAX_N:
         raise SamplingParamError("n", f"must be at most {MAX_N}, got {body.n}")
-    params = SamplingParams(
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty,
-        frequency_penalty=body.frequency_penalty,
-        presence_penalty=body.presence_penalty,
-        max_tokens=max_tokens,
-        min_tokens=body.min_tokens,
-        n=body.n,
-        seed=body.seed,
-        stop=body.stop,
-        stop_token_ids=body.stop_token_ids,
-        ignore_eos=body.ignore_eos,
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        skip_special_tokens=body.skip_special_tokens,
-    )
-    params.validate()
-    return params
+    return SamplingParams(**values, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
