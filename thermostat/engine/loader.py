@@ -13,6 +13,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from thermostat import kernels
+from thermostat.kernels import CpuOps
 from thermostat.models.llama import LlamaFamilyModel, ModelArch
 from thermostat.sampling.generation_config import (
     GenerationConfigDefaults,
@@ -39,6 +40,7 @@ class LoadedModel:
     generation_config: GenerationConfigDefaults
     dtype: torch.dtype
     max_model_len: int
+    ops: CpuOps | None = None  # the compiled kernels the model (and its KV cache) may use
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -118,7 +120,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, config)
     limit = min(max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
     ops = kernels.ops() if cpu_kernels else None
-    net = LlamaFamilyModel(arch, config, torch_dtype, max_positions=limit, kernels=ops)
+    net = LlamaFamilyModel(arch, config, torch_dtype, max_positions=limit, ops=ops)
     try:
         net.load_weights(iter_tensors(weight_files(path)))
     except ValueError as exc:
@@ -147,4 +149,5 @@ def load_model(
         generation_config=generation_config,
         dtype=torch_dtype,
         max_model_len=limit,
+        ops=ops,
     )

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from thermostat.engine.kv_cache import PagedKVCache
 from thermostat.engine.sampler import SamplingBatch, TokenLogprobs, sample_batch
 from thermostat.engine.scheduler import (
     NewRequestData,
@@ -16,6 +15,7 @@ from thermostat.engine.scheduler import (
     SchedulerOutput,
 )
 from thermostat.models.attention import AttentionMetadata, PrefillSegment
+from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.llama import LlamaFamilyModel
 
 
