@@ -1,5 +1,5 @@
-"""Layering of the model code: models/ imports no upper layer, cache specs are named components,
-and each op is chosen once."""
+"""Layering of the model code: models/ imports no upper layer, the architecture registry is the
+one list of served families, cache specs are named components, and each op is chosen once."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from thermostat import kernels
+from thermostat.engine.loader import ModelLoadError, load_model
 from thermostat.models import llama
 from thermostat.models.kv_cache import CacheComponent, KVCacheSpec, PagedKVCache
+from thermostat.models.registry import ARCHITECTURES, model_class
 
 MODELS_DIR = Path(llama.__file__).parent
 UPPER_LAYERS = ("thermostat.engine", "thermostat.server", "thermostat.llm", "thermostat.commands")
@@ -37,6 +39,22 @@ def test_models_import_no_upper_layer():
     for path in files:
         bad = [m for m in imported_modules(path) if m.startswith(UPPER_LAYERS)]
         assert not bad, f"{path.relative_to(MODELS_DIR)} imports {bad}"
+
+
+def test_registry_is_the_list_of_served_architectures(tmp_path):
+    assert set(ARCHITECTURES) == {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+    }
+    assert model_class(["Foo", "Qwen2ForCausalLM"]) == ("Qwen2ForCausalLM", llama.LlamaFamilyModel)
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["DeepseekV3ForCausalLM"], "model_type": "llama"}'
+    )
+    with pytest.raises(ModelLoadError, match="DeepseekV3ForCausalLM.*not supported") as err:
+        load_model(tmp_path)
+    assert all(name in str(err.value) for name in ARCHITECTURES)
 
 
 def test_cache_spec_sums_named_components():

@@ -16,7 +16,7 @@ from thermostat.engine.scheduler import (
 )
 from thermostat.models.attention import AttentionMetadata, PrefillSegment
 from thermostat.models.kv_cache import PagedKVCache
-from thermostat.models.llama import LlamaFamilyModel
+from thermostat.models.registry import CausalLM
 
 
 @dataclass
@@ -44,7 +44,7 @@ def logprobs_of(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenL
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaFamilyModel,
+        model: CausalLM,
         cache: PagedKVCache,
         block_size: int,
         sliding_window: int | None = None,

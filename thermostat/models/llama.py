@@ -18,17 +18,10 @@ from thermostat.models.kv_cache import KVCacheSpec, PagedKVCache
 from thermostat.models.linear import pack_linears
 from thermostat.models.rope import RotaryEmbedding, apply_rotary
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
-
 
 @dataclass(frozen=True)
 class ModelArch:
-    """What the engine needs from a Hugging Face config.json."""
+    """The family's shape from a Hugging Face config.json (an ArchFacts for the engine)."""
 
     architecture: str
     hidden_size: int
@@ -48,14 +41,8 @@ class ModelArch:
     max_position_embeddings: int
 
     @classmethod
-    def from_config(cls, config) -> ModelArch:
-        archs = list(getattr(config, "architectures", None) or [])
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"config.json: architectures={archs} is not supported; "
-                f"Thermostat serves {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+    def from_config(cls, config, arch: str) -> ModelArch:
+        """`arch`: the config's architecture name, one the registry maps to this family."""
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         window = getattr(config, "sliding_window", None)
@@ -197,6 +184,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaFamilyModel(nn.Module):
+    """A thermostat.models.registry.CausalLM for Llama, Mistral, Qwen2 and Qwen3 checkpoints."""
+
     def __init__(
         self,
         arch: ModelArch,
@@ -218,6 +207,11 @@ class LlamaFamilyModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, arch.head_dim, max_positions, dtype)
         self.to(dtype)
+        self.eval()
+
+    @classmethod
+    def arch_from_config(cls, config, architecture: str) -> ModelArch:
+        return ModelArch.from_config(config, architecture)
 
     def cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """A key and a value of [num_kv_heads, head_dim] per token and layer."""
