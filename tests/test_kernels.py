@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from thermostat import kernels
-from thermostat.engine.kv_cache import KVCacheSpec, PagedKVCache
-from thermostat.models.attention import AttentionMetadata, _sdpa_decode
+from thermostat.models.attention import AttentionMetadata
+from thermostat.models.kv_cache import KVCacheSpec, PagedKVCache
 from thermostat.models.rope import apply_rotary
 
 ops = kernels.ops()
@@ -55,7 +55,7 @@ def test_rotary_in_place_on_a_strided_view(dtype):
     sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
     want = apply_rotary(x.float(), cos.float(), sin.float())
     tail = qkv[:, heads * d :].clone()
-    out = apply_rotary(x, cos, sin, ops)
+    out = ops.rotary(x, cos, sin)
     assert out.data_ptr() == x.data_ptr()
     close(x, want, dtype)
     assert torch.equal(qkv[:, heads * d :], tail)  # nothing outside the view is touched
@@ -70,14 +70,16 @@ def test_silu_mul(dtype):
     close(ops.silu_mul(huge), torch.tensor([[-0.0] * 16]), dtype)
 
 
-def filled_cache(kv_dtype, compute_dtype, num_blocks=12, block_size=4, hkv=2, d=64, seed=2):
-    spec = KVCacheSpec(1, hkv, d, block_size, kv_dtype)
-    cache = PagedKVCache(spec, num_blocks, compute_dtype)
+def filled_cache(
+    kv_dtype, compute_dtype, num_blocks=12, block_size=4, hkv=2, d=64, seed=2, with_ops=None
+):
+    spec = KVCacheSpec.key_value(1, hkv, d, block_size, kv_dtype)
+    cache = PagedKVCache(spec, num_blocks, compute_dtype, with_ops)
     g = torch.Generator().manual_seed(seed)
     n = num_blocks * block_size
     k = torch.randn(n, hkv, d, generator=g).to(compute_dtype)
     v = torch.randn(n, hkv, d, generator=g).to(compute_dtype)
-    cache.write(0, k, v, torch.arange(n))
+    cache.write(0, (k, v), torch.arange(n))
     return cache
 
 
@@ -112,7 +114,7 @@ def decode_meta(tables: list[list[int]], lens: list[int], block_size: int, windo
 )
 @pytest.mark.parametrize("window", [None, 5])
 def test_decode_attention_reads_blocks_in_place(kv_dtype, compute_dtype, window):
-    cache = filled_cache(kv_dtype, compute_dtype)
+    cache = filled_cache(kv_dtype, compute_dtype, with_ops=ops)
     # scattered, shared and partly filled blocks; GQA with 3 query heads per KV head
     tables = [[7, 2, 9], [0], [11, 3, 5, 1], [7, 2]]
     lens = [10, 1, 16, 6]
@@ -120,19 +122,21 @@ def test_decode_attention_reads_blocks_in_place(kv_dtype, compute_dtype, window)
     # q as the model passes it: a strided view of the fused qkv output
     qkv = torch.randn(4, 8 * 64, generator=torch.Generator().manual_seed(3)).to(compute_dtype)
     q = qkv[:, : 6 * 64].view(4, 6, 64)
-    want = _sdpa_decode(q.float(), 0, _as_float(cache), meta, 0.125)
+    want = _as_float(cache).decode_attention(q.float(), 0, meta, 0.125)
     got = ops.decode_attention(
         q, *cache.layer_storage(0), meta.decode_block_tables, meta.decode_context_lens, 0.125,
         window or 0,
     )  # fmt: skip
     close(got, want, compute_dtype)
+    assert cache._decode == cache._decode_compiled  # the cache chose the kernel when built
+    torch.testing.assert_close(cache.decode_attention(q, 0, meta, 0.125), got, atol=0, rtol=0)
 
 
 def _as_float(cache: PagedKVCache) -> PagedKVCache:
-    """The same cache contents, gathered in float32 (the reference path's dequantization)."""
-    view = PagedKVCache.__new__(PagedKVCache)
-    view.__dict__.update(cache.__dict__)
-    view.compute_dtype = torch.float32
+    """The same cache contents on the PyTorch paths, gathered in float32 (the reference path's
+    dequantization)."""
+    view = PagedKVCache(cache.spec, cache.num_blocks, torch.float32)
+    view.store, view.scales = cache.store, cache.scales
     return view
 
 
@@ -142,10 +146,12 @@ def test_write_kv_matches_index_copy(dtype):
     qkv = torch.randn(3, 6 * 64, generator=torch.Generator().manual_seed(5)).to(dtype)
     k, v = qkv[:, 128:].view(3, 2, 2, 64).unbind(1)
     slots = torch.tensor([5, 0, 17])
-    ours, ref = filled_cache(dtype, dtype), filled_cache(dtype, dtype)
-    ours.write(0, k, v, slots, ops)
-    ref.write(0, k, v, slots)
-    assert torch.equal(ours.key[0], ref.key[0]) and torch.equal(ours.value[0], ref.value[0])
+    ours, ref = filled_cache(dtype, dtype, with_ops=ops), filled_cache(dtype, dtype)
+    assert ours._write == ours._write_compiled and ref._write == ref._write_torch
+    ours.write(0, (k, v), slots)
+    ref.write(0, (k, v), slots)
+    for name in ("key", "value"):
+        assert torch.equal(ours.store[name][0], ref.store[name][0])
     with pytest.raises(ValueError, match="slot out of range"):
         ops.write_kv(*ours.layer_storage(0)[:2], k, v, torch.tensor([5, 0, 99]))
 

@@ -17,7 +17,6 @@ import torch
 from thermostat import kernels
 from thermostat.engine.block_manager import BlockManager
 from thermostat.engine.config import EngineConfig
-from thermostat.engine.kv_cache import KVCacheSpec, PagedKVCache, resolve_kv_dtype
 from thermostat.engine.loader import LoadedModel, load_model
 from thermostat.engine.model_runner import ModelRunner
 from thermostat.engine.output_text import OutputText
@@ -26,6 +25,7 @@ from thermostat.engine.request import Request
 from thermostat.engine.sampler import TokenLogprobs
 from thermostat.engine.scheduler import RunnerOutput, Scheduler, SchedulerConfig
 from thermostat.errors import InvalidRequest
+from thermostat.models.kv_cache import PagedKVCache, resolve_kv_dtype
 from thermostat.sampling.fanout import per_sample
 from thermostat.sampling.params import SamplingParamError, SamplingParams
 from thermostat.sampling.resolve import Resolution, SamplingDefaults, fit_to_context, resolve
@@ -61,15 +61,11 @@ class LLMEngine:
             generation_config=self.loaded.generation_config.values
         )
         arch = self.loaded.arch
-        spec = KVCacheSpec(
-            num_layers=arch.num_layers,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
-            block_size=config.block_size,
-            dtype=resolve_kv_dtype(config.kv_cache_dtype, self.loaded.dtype),
+        spec = self.loaded.model.cache_spec(
+            config.block_size, resolve_kv_dtype(config.kv_cache_dtype, self.loaded.dtype)
         )
         num_blocks = spec.num_blocks_for(int(config.kv_cache_memory_gb * 2**30))
-        self.cache = PagedKVCache(spec, num_blocks, compute_dtype=self.loaded.dtype)
+        self.cache = PagedKVCache(spec, num_blocks, self.loaded.dtype, self.loaded.ops)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -13,7 +13,8 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from thermostat import kernels
-from thermostat.models.llama import LlamaFamilyModel, ModelArch
+from thermostat.kernels import CpuOps
+from thermostat.models.registry import ArchFacts, CausalLM, model_class
 from thermostat.sampling.generation_config import (
     GenerationConfigDefaults,
     read_generation_config,
@@ -33,12 +34,13 @@ class LoadedModel:
     path: Path
     config: object  # transformers PretrainedConfig
     config_dict: dict
-    arch: ModelArch
-    model: LlamaFamilyModel
+    arch: ArchFacts
+    model: CausalLM
     tokenizer: PreTrainedTokenizerBase
     generation_config: GenerationConfigDefaults
     dtype: torch.dtype
     max_model_len: int
+    ops: CpuOps | None = None  # the compiled kernels the model (and its KV cache) may use
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -112,18 +114,18 @@ def load_model(
     except Exception as exc:  # transformers raises several types for a bad config
         raise ModelLoadError(f"{path / 'config.json'}: {exc}") from exc
     try:
-        arch = ModelArch.from_config(config)
+        name, model_cls = model_class(list(getattr(config, "architectures", None) or []))
+        arch = model_cls.arch_from_config(config, name)
     except (ValueError, AttributeError) as exc:
         raise ModelLoadError(str(exc)) from exc
     torch_dtype = resolve_dtype(dtype, config)
     limit = min(max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
     ops = kernels.ops() if cpu_kernels else None
-    net = LlamaFamilyModel(arch, config, torch_dtype, max_positions=limit, kernels=ops)
+    net = model_cls(arch, config, torch_dtype, max_positions=limit, ops=ops)
     try:
         net.load_weights(iter_tensors(weight_files(path)))
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
-    net.eval()
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise ModelLoadError(f"{path}: tokenizer.json / tokenizer_config.json is missing")
     try:
@@ -147,4 +149,5 @@ def load_model(
         generation_config=generation_config,
         dtype=torch_dtype,
         max_model_len=limit,
+        ops=ops,
     )

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from thermostat.engine.kv_cache import PagedKVCache
 from thermostat.engine.sampler import SamplingBatch, TokenLogprobs, sample_batch
 from thermostat.engine.scheduler import (
     NewRequestData,
@@ -16,7 +15,8 @@ from thermostat.engine.scheduler import (
     SchedulerOutput,
 )
 from thermostat.models.attention import AttentionMetadata, PrefillSegment
-from thermostat.models.llama import LlamaFamilyModel
+from thermostat.models.kv_cache import PagedKVCache
+from thermostat.models.registry import CausalLM
 
 
 @dataclass
@@ -44,7 +44,7 @@ def logprobs_of(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenL
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaFamilyModel,
+        model: CausalLM,
         cache: PagedKVCache,
         block_size: int,
         sliding_window: int | None = None,

@@ -1,10 +1,25 @@
 """Thermostat's CPU kernels (cpu_kernels.cpp), compiled for this machine on first use.
 
-`ops()` returns the compiled module, or None where the kernels cannot run here: a CPU without
-AVX-512 BF16, no C++ compiler, or THERMOSTAT_KERNELS=0 in the environment. The model then takes
-its pure-PyTorch path, which is also the reference the kernels are tested against. The build is
-cached by torch (~/.cache/torch_extensions, or TORCH_EXTENSIONS_DIR), so only the first start on
-a machine pays the compile (about 30 s); why the kernels are off is logged once.
+`ops()` is the one entry point: a `CpuOps` of typed calls into the compiled module, or None where
+the kernels cannot run here (a CPU without AVX-512 BF16, no C++ compiler, THERMOSTAT_KERNELS=0 in
+the environment). The loader calls it once (`load_model(cpu_kernels=...)`) and hands the result
+to the model and the KV cache. The build is cached by torch (~/.cache/torch_extensions, or
+TORCH_EXTENSIONS_DIR), so only the first start on a machine compiles; why the kernels are off is
+logged once.
+
+Each op is chosen once, where its user is built, between the compiled call and its PyTorch
+reference (the reference is also what the kernels are tested against). These are the only places
+that make the choice; forward code calls the function chosen:
+
+| op                     | chosen in (thermostat/models/) | compiled when                          |
+|------------------------|--------------------------------|----------------------------------------|
+| rms_norm, add_rms_norm | llama.RMSNorm.__init__         | dim % 16 == 0 (q/k norms: never)       |
+| rotary                 | llama.Attention.__init__       | head_dim % 32 == 0                     |
+| silu_mul               | llama.MLP.__init__             | intermediate_size % 16 == 0            |
+| pack_vnni, linear_vnni | linear.PackedLinear.__init__   | bf16, batches of <= vnni_max_rows()    |
+| write_kv               | kv_cache.PagedKVCache.__init__ | key/value stored in the compute dtype  |
+| decode_attention       | kv_cache.PagedKVCache.__init__ | key/value in fp8 or the compute dtype, |
+|                        |                                | head_dim % 16 == 0 and <= 256          |
 """
 
 from __future__ import annotations
@@ -13,14 +28,99 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("thermostat.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # Instruction sets the source uses (Linux /proc/cpuinfo names).
 REQUIRED_CPU_FLAGS = ("avx2", "f16c", "fma", "avx512f", "avx512bw", "avx512_bf16")
+
+
+@dataclass(frozen=True)
+class CpuOps:
+    """Typed calls into the compiled module. Float ops take float32, bfloat16 or float16 (one
+    dtype for all their tensors) and compute in float32; every op checks its input and raises
+    ValueError on a mismatch."""
+
+    module: ModuleType
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [N, dim] (unit stride along dim, dim % 16 == 0), weight [dim] -> [N, dim]."""
+        return self.module.rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """residual [N, dim] (contiguous) += x [N, dim], rounded as `residual + x` is; returns
+        rms_norm(residual) [N, dim]."""
+        return self.module.add_rms_norm(x, residual, weight, eps)
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotates x [T, H, D] (D contiguous, D % 32 == 0; rows and heads may be strided) in
+        place, half-split layout; cos, sin [T, D] contiguous. Returns x."""
+        self.module.rotary_(x, cos, sin)
+        return x
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2I] (gate columns first, I % 16 == 0) -> silu(gate) * up [T, I]."""
+        return self.module.silu_mul(gate_up)
+
+    def write_kv(
+        self,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """key/value [T, Hkv, D] (D contiguous) into slots [T] int64 of the caches
+        [num_blocks, block_size, Hkv, D] (contiguous, the same dtype)."""
+        self.module.write_kv(key_cache, value_cache, key, value, slots)
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        key_scale: torch.Tensor,
+        value_scale: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        window: int,
+    ) -> torch.Tensor:
+        """Attention of one query token per sequence over its blocks, read in place.
+        q [B, Hq, D] (D contiguous, D % 16 == 0, D <= 256, Hq % Hkv == 0); caches
+        [num_blocks, block_size, Hkv, D] in q's dtype with empty scales, or uint8 fp8_e4m3 bytes
+        with float32 scales [num_blocks, block_size, Hkv, 1]; block_tables [B, nb] int64;
+        context_lens [B] int64 (the query token included); window 0 = none. Returns [B, Hq, D]."""
+        return self.module.decode_attention(
+            q, key_cache, value_cache, key_scale, value_scale, block_tables, context_lens, scale,
+            window,
+        )  # fmt: skip
+
+    def pack_vnni(self, weight: torch.Tensor) -> torch.Tensor:
+        """bf16 weight [N, K] -> the blocked layout `linear_vnni` reads (N, K padded)."""
+        return self.module.pack_vnni(weight)
+
+    def linear_vnni(
+        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [M, K] bf16, 1 <= M <= vnni_max_rows(); packed from `pack_vnni` of W [n, K];
+        bias [n] or None. Returns x W^T + bias [M, n] bf16."""
+        return self.module.linear_vnni(x, packed, n, bias)
+
+    def vnni_max_rows(self) -> int:
+        """Rows `linear_vnni` takes on this machine: 32 with AMX, else 2."""
+        return self.module.vnni_max_rows()
+
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -47,22 +147,23 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def ops() -> ModuleType | None:
+def ops() -> CpuOps | None:
     """The compiled kernels, or None (the reason is logged once and kept in `status()`)."""
     with _lock:
         if "ops" not in _state:
-            _state["ops"], _state["reason"] = _build()
-            if _state["ops"] is None:
+            module, _state["reason"] = _build()
+            _state["ops"] = None if module is None else CpuOps(module)
+            if module is None:
                 log.warning("CPU kernels off (%s): using the PyTorch path", _state["reason"])
         return _state["ops"]  # type: ignore[return-value]
 
 
 def status() -> str:
     """One line for startup logs and bench reports."""
-    module = ops()
-    if module is None:
+    compiled = ops()
+    if compiled is None:
         return f"off ({_state['reason']})"
-    return "on (AMX for decode batches)" if module.vnni_max_rows() > 2 else "on (no AMX)"
+    return "on (AMX for decode batches)" if compiled.vnni_max_rows() > 2 else "on (no AMX)"
 
 
 def _build() -> tuple[ModuleType | None, str | None]:

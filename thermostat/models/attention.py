@@ -11,12 +11,11 @@ Token order in a step's flat batch (T tokens):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from thermostat.engine.kv_cache import PagedKVCache
+from thermostat.models.kv_cache import PagedKVCache
 
 
 @dataclass
@@ -50,27 +49,16 @@ def paged_attention(
     cache: PagedKVCache,
     meta: AttentionMetadata,
     scale: float,
-    kernels: ModuleType | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Writes k/v into the cache, then
-    attends each token to its sequence's context. Returns [T, Hq, D]. Decodes run in the
-    compiled kernel when there is one (it reads the blocks in place); otherwise their blocks are
-    gathered for SDPA. Prefill chunks always use SDPA."""
-    cache.write(layer, k, v, meta.slot_mapping, kernels)
+    attends each token to its sequence's context. Returns [T, Hq, D]. Decodes run in the cache's
+    decode attention (the compiled kernel reads the blocks in place where the cache allows it);
+    prefill chunks use SDPA."""
+    cache.write(layer, (k, v), meta.slot_mapping)
     nd = meta.num_decodes
     out = torch.empty_like(q) if meta.prefills else None
     if nd:
-        if kernels is not None and cache.kernel_readable(q.dtype, q.shape[-1]):
-            o = kernels.decode_attention(
-                q[:nd],
-                *cache.layer_storage(layer),
-                meta.decode_block_tables,
-                meta.decode_context_lens,
-                scale,
-                meta.sliding_window or 0,
-            )
-        else:
-            o = _sdpa_decode(q[:nd], layer, cache, meta, scale)
+        o = cache.decode_attention(q[:nd], layer, meta, scale)
         if out is None:
             return o  # a pure decode batch
         out[:nd] = o
@@ -111,16 +99,3 @@ def paged_attention(
         out[start:end] = o.transpose(0, 1)
         start, i = end, i + 1
     return out
-
-
-def _sdpa_decode(q, layer, cache, meta, scale) -> torch.Tensor:
-    """[nd, Hq, D] attention of one token per sequence over its gathered blocks."""
-    ck, cv = cache.gather(layer, meta.decode_block_tables)  # [nd, L, Hkv, D]
-    return F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # [nd, Hq, 1, D]
-        ck.transpose(1, 2),
-        cv.transpose(1, 2),
-        attn_mask=meta.decode_mask,
-        scale=scale,
-        enable_gqa=True,
-    ).squeeze(2)

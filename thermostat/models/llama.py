@@ -7,28 +7,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from thermostat.engine.kv_cache import PagedKVCache
+from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata, paged_attention
+from thermostat.models.kv_cache import KVCacheSpec, PagedKVCache
 from thermostat.models.linear import pack_linears
 from thermostat.models.rope import RotaryEmbedding, apply_rotary
-
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
 
 
 @dataclass(frozen=True)
 class ModelArch:
-    """What the engine needs from a Hugging Face config.json."""
+    """The family's shape from a Hugging Face config.json (an ArchFacts for the engine)."""
 
     architecture: str
     hidden_size: int
@@ -48,14 +41,8 @@ class ModelArch:
     max_position_embeddings: int
 
     @classmethod
-    def from_config(cls, config) -> ModelArch:
-        archs = list(getattr(config, "architectures", None) or [])
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"config.json: architectures={archs} is not supported; "
-                f"Thermostat serves {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+    def from_config(cls, config, arch: str) -> ModelArch:
+        """`arch`: the config's architecture name, one the registry maps to this family."""
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         window = getattr(config, "sliding_window", None)
@@ -85,33 +72,48 @@ class ModelArch:
 
 class RMSNorm(nn.Module):
     """RMSNorm accumulating in float32 and rounding once (transformers rounds to the model dtype
-    once more before scaling: identical in float32, within an ulp in bfloat16)."""
+    once more before scaling: identical in float32, within an ulp in bfloat16). With `ops` the
+    input is [N, dim] rows; without, any shape ending in dim."""
 
-    def __init__(self, dim: int, eps: float, kernels: ModuleType | None) -> None:
+    def __init__(self, dim: int, eps: float, ops: CpuOps | None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernels = kernels if dim % 16 == 0 else None
+        # The one choice of this op (the table in thermostat.kernels).
+        compiled = ops is not None and dim % 16 == 0
+        self._norm = ops.rms_norm if compiled else _rms_norm
+        self._add_norm = ops.add_rms_norm if compiled else _add_rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.dim() == 2:
-            return self.kernels.rms_norm(x, self.weight, self.eps)
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self._norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual += x (in place, rounded to the dtype as `residual + x` is); returns
         norm(residual)."""
-        if self.kernels is not None:
-            return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
-        residual.add_(x)
-        return F.rms_norm(residual, self.weight.shape, self.weight, self.eps)
+        return self._add_norm(x, residual, self.weight, self.eps)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def _add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    residual.add_(x)
+    return F.rms_norm(residual, weight.shape, weight, eps)
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] (gate first) -> silu(gate) * up [..., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, layer: int, kernels: ModuleType | None) -> None:
+    def __init__(self, arch: ModelArch, layer: int, ops: CpuOps | None) -> None:
         super().__init__()
         self.layer = layer
-        self.kernels = kernels
         self.num_heads, self.num_kv_heads, self.head_dim = (
             arch.num_heads,
             arch.num_kv_heads,
@@ -123,9 +125,13 @@ class Attention(nn.Module):
             arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        # q/k norms see [T, H, D]: always the PyTorch norm
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, None) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, None) if arch.qk_norm else None
         self.scale = arch.head_dim**-0.5
+        # The one choice of this op (the table in thermostat.kernels).
+        compiled = ops is not None and arch.head_dim % 32 == 0
+        self._rotary = ops.rotary if compiled else apply_rotary
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
         t = x.shape[0]
@@ -136,35 +142,33 @@ class Attention(nn.Module):
             qk = torch.cat(
                 [self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1
             )
-        qk = apply_rotary(qk, cos, sin, self.kernels)  # q and k heads together: one pass
+        qk = self._rotary(qk, cos, sin)  # q and k heads together: one pass
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        o = paged_attention(q, k, v, self.layer, cache, meta, self.scale, self.kernels)
+        o = paged_attention(q, k, v, self.layer, cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch, kernels: ModuleType | None) -> None:
+    def __init__(self, arch: ModelArch, ops: CpuOps | None) -> None:
         super().__init__()
         self.intermediate = arch.intermediate_size
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * self.intermediate, bias=arch.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate, arch.hidden_size, bias=arch.mlp_bias)
-        self.kernels = kernels if self.intermediate % 16 == 0 else None
+        # The one choice of this op (the table in thermostat.kernels).
+        compiled = ops is not None and self.intermediate % 16 == 0
+        self._act = ops.silu_mul if compiled else _silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.kernels is not None and gate_up.dim() == 2:
-            return self.down_proj(self.kernels.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self._act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, layer: int, kernels: ModuleType | None) -> None:
+    def __init__(self, arch: ModelArch, layer: int, ops: CpuOps | None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
-        self.self_attn = Attention(arch, layer, kernels)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
-        self.mlp = MLP(arch, kernels)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.self_attn = Attention(arch, layer, ops)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.mlp = MLP(arch, ops)
 
     def forward(self, x, residual, cos, sin, meta, cache) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to `residual` (None before the first
@@ -180,27 +184,39 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaFamilyModel(nn.Module):
+    """A thermostat.models.registry.CausalLM for Llama, Mistral, Qwen2 and Qwen3 checkpoints."""
+
     def __init__(
         self,
         arch: ModelArch,
         config,
         dtype: torch.dtype,
         max_positions: int,
-        kernels: ModuleType | None = None,
+        ops: CpuOps | None = None,
     ) -> None:
-        """`kernels`: thermostat.kernels.ops() to run norms, rotary and decode attention in the
-        compiled kernels; None for the pure-PyTorch path."""
+        """`ops`: thermostat.kernels.ops() to run the ops it takes in the compiled kernels; None
+        for the pure-PyTorch path."""
         super().__init__()
         self.arch = arch
-        self.kernels = kernels
+        self.ops = ops
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, kernels) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, ops) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, arch.head_dim, max_positions, dtype)
         self.to(dtype)
+        self.eval()
+
+    @classmethod
+    def arch_from_config(cls, config, architecture: str) -> ModelArch:
+        return ModelArch.from_config(config, architecture)
+
+    def cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """A key and a value of [num_kv_heads, head_dim] per token and layer."""
+        a = self.arch
+        return KVCacheSpec.key_value(a.num_layers, a.num_kv_heads, a.head_dim, block_size, dtype)
 
     @torch.inference_mode()
     def forward(
@@ -258,7 +274,7 @@ class LlamaFamilyModel(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint: missing parameters {missing[:5]}")
-        pack_linears(self, self.kernels)
+        pack_linears(self, self.ops)
 
     @staticmethod
     def _copy(params: dict, name: str, tensor: torch.Tensor, hf_name: str) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -46,14 +44,10 @@ class RotaryEmbedding:
         return self.cos[positions], self.sin[positions]
 
 
-def apply_rotary(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: ModuleType | None = None
-) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, H, D] rotated in the half-split layout Hugging Face checkpoints use; cos, sin:
-    [T, D]. With the compiled kernels x is rotated in place (and returned)."""
-    if kernels is not None and x.shape[-1] % 32 == 0 and x.stride(-1) == 1:
-        kernels.rotary_(x, cos, sin)
-        return x
+    [T, D]. Returns a new tensor (the PyTorch reference of CpuOps.rotary, which rotates in
+    place)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)

@@ -1,0 +1,269 @@
+"""The paged KV cache: the one object that owns the cache tensors of every layer.
+
+A model declares what a layer stores per token as named components (`KVCacheSpec.components`):
+Llama-family attention stores "key" and "value" of [Hkv, D]; an MLA model stores one "latent" of
+[kv_lora_rank + rope_dim]. Layout per layer and component; a token's slot is
+block_id * block_size + offset_in_block:
+
+| tensor              | shape                                              | dtype                 |
+|---------------------|----------------------------------------------------|-----------------------|
+| store[name][layer]  | [num_blocks, block_size, *per_token_shape]         | storage; fp8 as uint8 |
+| scales[name][layer] | [num_blocks, block_size, *per_token_shape[:-1], 1] | float32; fp8 only     |
+
+Scales are empty ([0]) unless the component is fp8_e4m3.
+
+Reads gather whole blocks (one index_select of contiguous rows), twice as fast as gathering
+token slots.
+
+fp8_e4m3 stores each vector (the last dim) divided by its own scale (amax / 448), so a token's
+quantization error never depends on other tokens; reads dequantize what they gather.
+
+How the cache is written and how decode attention reads a key/value layout depend on how it is
+stored, so both paths are chosen once here, when the cache is built (see thermostat.kernels).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from thermostat.kernels import CpuOps
+
+if TYPE_CHECKING:
+    from thermostat.models.attention import AttentionMetadata
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "fp8_e4m3": torch.float8_e4m3fn,
+}
+
+
+@dataclass(frozen=True)
+class CacheComponent:
+    """What a layer stores per token under one name: a [*per_token_shape] tensor."""
+
+    name: str
+    per_token_shape: tuple[int, ...]
+    dtype: torch.dtype  # storage dtype; float8_e4m3fn adds a float32 scale per last-dim vector
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype == torch.float8_e4m3fn
+
+    @property
+    def bytes_per_token(self) -> int:
+        """One token of one layer, scales included."""
+        elements = math.prod(self.per_token_shape)
+        scales = elements // self.per_token_shape[-1] if self.quantized else 0
+        return elements * self.dtype.itemsize + 4 * scales
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """One block: `block_size` tokens of every component, for each of `num_layers` layers.
+    Invariant: the components have distinct names and one storage dtype."""
+
+    num_layers: int
+    block_size: int
+    components: tuple[CacheComponent, ...]
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.components]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"cache components need distinct names, got {names}")
+        if len({c.dtype for c in self.components}) != 1:
+            raise ValueError("cache components must share one storage dtype")
+
+    @classmethod
+    def key_value(
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+    ) -> KVCacheSpec:
+        """A key and a value of [num_kv_heads, head_dim] per token (multi-head and grouped-query
+        attention)."""
+        shape = (num_kv_heads, head_dim)
+        return cls(
+            num_layers,
+            block_size,
+            (CacheComponent("key", shape, dtype), CacheComponent("value", shape, dtype)),
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The storage dtype of every component."""
+        return self.components[0].dtype
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype == torch.float8_e4m3fn
+
+    @property
+    def is_key_value(self) -> bool:
+        """Exactly "key" and "value" of one [heads, head_dim] shape: what the compiled write and
+        decode attention take."""
+        shapes = {c.name: c.per_token_shape for c in self.components}
+        return (
+            set(shapes) == {"key", "value"}
+            and shapes["key"] == shapes["value"]
+            and len(shapes["key"]) == 2
+        )
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Every component of every layer for one block, scales included."""
+        per_token = sum(c.bytes_per_token for c in self.components)
+        return self.num_layers * self.block_size * per_token
+
+    def num_blocks_for(self, memory_bytes: int) -> int:
+        return max(memory_bytes // self.bytes_per_block, 1)
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {name!r}")
+    return KV_CACHE_DTYPES[name] or model_dtype
+
+
+class PagedKVCache:
+    """Cache storage for all layers. `write` stores new tokens into slots; `gather` returns the
+    context of a batch of block tables in the compute dtype; `decode_attention` attends one query
+    token per sequence over a key/value layout.
+
+    `ops`: the compiled kernels, used for the paths they take on this layout (else PyTorch)."""
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        compute_dtype: torch.dtype,
+        ops: CpuOps | None = None,
+    ) -> None:
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.compute_dtype = compute_dtype
+        self.store: dict[str, list[torch.Tensor]] = {}
+        self.scales: dict[str, list[torch.Tensor]] = {}
+        for c in spec.components:
+            shape = (num_blocks, spec.block_size, *c.per_token_shape)
+            # fp8 is kept as raw bytes: CPU index kernels do not take float8 tensors.
+            storage = torch.uint8 if c.quantized else c.dtype
+            scale_shape = (*shape[:-1], 1) if c.quantized else (0,)
+            self.store[c.name] = [torch.zeros(shape, dtype=storage) for _ in range(spec.num_layers)]
+            self.scales[c.name] = [torch.ones(scale_shape) for _ in range(spec.num_layers)]
+
+        # The one choice of each path (the table in thermostat.kernels).
+        self.ops = ops if spec.is_key_value else None
+        head_dim = spec.components[0].per_token_shape[-1]
+        in_place = spec.quantized or spec.dtype == compute_dtype
+        self._write = (
+            self._write_compiled
+            if self.ops is not None and spec.dtype == compute_dtype
+            else self._write_torch
+        )
+        self._decode = (
+            self._decode_compiled
+            if self.ops is not None and in_place and head_dim % 16 == 0 and head_dim <= 256
+            else self._decode_sdpa
+        )
+
+    def write(self, layer: int, values: tuple[torch.Tensor, ...], slots: torch.Tensor) -> None:
+        """values: one [T, *per_token_shape] tensor per component, in spec order (with the last
+        dim contiguous), for the T tokens whose cache slots are `slots` [T] int64."""
+        self._write(layer, values, slots)
+
+    def decode_attention(
+        self, q: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Key/value layout only. q [nd, Hq, D]: one token per decoding sequence, attending to
+        its blocks (meta.decode_*). Returns [nd, Hq, D]."""
+        return self._decode(q, layer, meta, scale)
+
+    def layer_storage(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """A layer's tensors as stored, then their scales, in spec order (for key/value:
+        key, value, key_scale, value_scale; scales empty unless fp8)."""
+        names = [c.name for c in self.spec.components]
+        return (*(self.store[n][layer] for n in names), *(self.scales[n][layer] for n in names))
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each component of the blocks in `block_tables` [B, nb] as
+        [B, nb * block_size, *per_token_shape] in the compute dtype (token t of a sequence at
+        index t), in spec order."""
+        return tuple(
+            self._read(self.store[c.name][layer], self.scales[c.name][layer], block_tables)
+            for c in self.spec.components
+        )
+
+    def _write_compiled(
+        self, layer: int, values: tuple[torch.Tensor, ...], slots: torch.Tensor
+    ) -> None:
+        key, value = values
+        self.ops.write_kv(self.store["key"][layer], self.store["value"][layer], key, value, slots)
+
+    def _write_torch(
+        self, layer: int, values: tuple[torch.Tensor, ...], slots: torch.Tensor
+    ) -> None:
+        for c, x in zip(self.spec.components, values, strict=True):
+            store = self.store[c.name][layer]
+            if c.quantized:
+                x = x.float()
+                scale = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+                quantized = (x / scale).to(torch.float8_e4m3fn).view(torch.uint8)
+                _slots(store).index_copy_(0, slots, quantized)
+                _slots(self.scales[c.name][layer]).index_copy_(0, slots, scale)
+            else:
+                _slots(store).index_copy_(0, slots, x.to(c.dtype, copy=False))
+
+    def _decode_compiled(
+        self, q: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        return self.ops.decode_attention(
+            q,
+            *self.layer_storage(layer),
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            scale,
+            meta.sliding_window or 0,
+        )
+
+    def _decode_sdpa(
+        self, q: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """The reference: the blocks gathered, then SDPA under meta.decode_mask."""
+        ck, cv = self.gather(layer, meta.decode_block_tables)  # [nd, L, Hkv, D]
+        return F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [nd, Hq, 1, D]
+            ck.transpose(1, 2),
+            cv.transpose(1, 2),
+            attn_mask=meta.decode_mask,
+            scale=scale,
+            enable_gqa=True,
+        ).squeeze(2)
+
+    def _read(
+        self, store: torch.Tensor, scales: torch.Tensor, tables: torch.Tensor
+    ) -> torch.Tensor:
+        b, nb = tables.shape
+        flat = tables.reshape(-1)
+        x = store.index_select(0, flat).view(b, nb * self.spec.block_size, *store.shape[2:])
+        if self.spec.quantized:
+            s = scales.index_select(0, flat).view(b, nb * self.spec.block_size, *scales.shape[2:])
+            return (x.view(torch.float8_e4m3fn).float() * s).to(self.compute_dtype)
+        return x if x.dtype == self.compute_dtype else x.to(self.compute_dtype)
+
+
+def _slots(blocks: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, ...] viewed as [num_slots, ...]."""
+    return blocks.view(-1, *blocks.shape[2:])

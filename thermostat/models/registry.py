@@ -1,0 +1,104 @@
+"""Model families by the Hugging Face architecture name in config.json, and the interface the
+engine runs them through.
+
+Adding a family (next: DeepSeek's MLA/MoE) is one module under thermostat/models/ with a class
+that satisfies `CausalLM` (its own arch dataclass, its cache components in `cache_spec`, its
+layers choosing their ops as thermostat.kernels lists), plus one line per architecture name in
+`ARCHITECTURES`. Nothing in engine/ names a family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+
+from thermostat.kernels import CpuOps
+from thermostat.models.attention import AttentionMetadata
+from thermostat.models.kv_cache import KVCacheSpec, PagedKVCache
+from thermostat.models.llama import LlamaFamilyModel
+
+
+class ArchFacts(Protocol):
+    """What the engine reads of any family's parsed config.json."""
+
+    @property
+    def architecture(self) -> str: ...  # the config's architectures entry served
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def sliding_window(self) -> int | None: ...  # tokens a query attends back, None: all
+    @property
+    def max_position_embeddings(self) -> int: ...
+
+
+class CausalLM(Protocol):
+    """A decoder over the paged KV cache. Built by the loader as
+    `cls(cls.arch_from_config(config, name), config, dtype, max_positions, ops)`, then
+    `load_weights`; the engine allocates the cache `cache_spec` describes and calls the model
+    once per step with every scheduled token flat (see models.attention for the order)."""
+
+    @property
+    def arch(self) -> ArchFacts: ...
+
+    def __init__(
+        self,
+        arch: ArchFacts,
+        config: object,
+        dtype: torch.dtype,
+        max_positions: int,
+        ops: CpuOps | None = None,
+    ) -> None: ...
+
+    @classmethod
+    def arch_from_config(cls, config: object, architecture: str) -> ArchFacts:
+        """The family's arch from a transformers PretrainedConfig; ValueError or AttributeError
+        for a config it cannot serve."""
+        ...
+
+    def cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """What one cache block holds for this model, stored in `dtype`."""
+        ...
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hugging Face parameter names and tensors; ValueError naming a missing, unexpected or
+        misshapen parameter."""
+        ...
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> final hidden states [T, hidden]; writes the new
+        tokens into `cache`."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        ...
+
+
+ARCHITECTURES: dict[str, type[CausalLM]] = {
+    "LlamaForCausalLM": LlamaFamilyModel,
+    "MistralForCausalLM": LlamaFamilyModel,
+    "Qwen2ForCausalLM": LlamaFamilyModel,
+    "Qwen3ForCausalLM": LlamaFamilyModel,
+}
+
+
+def model_class(architectures: list[str]) -> tuple[str, type[CausalLM]]:
+    """The first of config.json's `architectures` that Thermostat serves, and its class.
+    ValueError naming the supported architectures when there is none."""
+    for name in architectures:
+        if name in ARCHITECTURES:
+            return name, ARCHITECTURES[name]
+    raise ValueError(
+        f"config.json: architectures={architectures} is not supported; "
+        f"Thermostat serves {', '.join(ARCHITECTURES)}"
+    )
