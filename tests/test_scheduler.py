@@ -16,6 +16,7 @@ import pytest
 from thermostat.engine.block_manager import BlockManager
 from thermostat.engine.request import Request, RequestStatus
 from thermostat.engine.scheduler import RunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput
+from thermostat.errors import InvalidRequest
 from thermostat.sampling.params import EffectiveParams
 
 BS = 4  # block size
@@ -215,6 +216,51 @@ def test_stop_token_finishes_with_stop_and_frees_blocks() -> None:
     assert sched.blocks.block_table("a") == [] and sched.blocks.usage == 0.0
 
 
+class StopAt:
+    """Text-level stops (a stop string, a loop) as the scheduler sees them: a token that ends
+    the text returns a stop reason. Records what it was fed."""
+
+    def __init__(self, token: int, reason: str) -> None:
+        self.token, self.reason = token, reason
+        self.fed: list[int] = []
+
+    def add(self, token_id: int) -> str | None:
+        self.fed.append(token_id)
+        return self.reason if token_id == self.token else None
+
+
+def test_a_text_stop_finishes_in_the_same_update_as_a_stop_token() -> None:
+    sched = scheduler()
+    req = request("a", prompt(5))
+    req.text = StopAt(11, "</end>")
+    sched.add(req)
+    step(sched)
+    step(sched, {"a": 11})
+    assert (req.finish_reason, req.stop_reason) == ("stop", "</end>")
+    assert req.finished and not sched.has_unfinished() and sched.blocks.usage == 0.0
+    assert req.text.fed == [FILLER, 11]
+
+
+def test_a_stop_token_wins_and_is_never_fed_to_the_text() -> None:
+    sched = scheduler()
+    req = request("a", prompt(5))
+    req.text = StopAt(EOS, "never")
+    sched.add(req)
+    step(sched, {"a": EOS})
+    assert (req.finish_reason, req.stop_reason) == ("stop", EOS)
+    assert req.text.fed == []
+
+
+def test_a_text_stop_on_the_last_allowed_token_is_a_stop_not_length() -> None:
+    sched = scheduler()
+    req = request("a", prompt(5), max_tokens=2)
+    req.text = StopAt(11, "loop")
+    sched.add(req)
+    step(sched)
+    step(sched, {"a": 11})
+    assert (req.finish_reason, req.stop_reason, req.num_output_tokens) == ("stop", "loop", 2)
+
+
 def test_max_tokens_finishes_with_length() -> None:
     sched = scheduler()
     req = request("a", prompt(5), max_tokens=2)
@@ -309,7 +355,7 @@ def test_add_refuses_a_duplicate_id() -> None:
 
 def test_add_refuses_a_request_larger_than_the_whole_cache() -> None:
     sched = scheduler(num_blocks=4)  # 16 token slots
-    with pytest.raises(ValueError, match="whole cache"):
+    with pytest.raises(InvalidRequest, match="whole cache"):
         sched.add(request("a", prompt(10), max_tokens=7))
     assert not sched.has_unfinished()
     sched.add(request("b", prompt(10), max_tokens=6))  # exactly 16 tokens

@@ -136,3 +136,33 @@ def test_engine_crash_fails_in_flight_then_serves(server, monkeypatch):
         timeout=30,
     )
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_bug_that_raises_valueerror_is_a_500_with_an_error_id_never_a_400(
+    server, monkeypatch, caplog
+):
+    """A ValueError out of the engine is ours, not the client's: 500, an error id that the log
+    line carries with the traceback, counted in /metrics; the engine keeps nothing queued."""
+    engine = server.engine
+
+    def buggy_add_group(*args, **kwargs):
+        raise ValueError("an engine bug")
+
+    monkeypatch.setattr(engine, "add_group", buggy_add_group)
+    before = httpx.get(f"{server.url}/metrics", timeout=10).text
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "It was the"}, timeout=30)
+    monkeypatch.undo()
+    error = r.json()["error"]
+    assert r.status_code == 500 and error["code"] == "internal_error"
+    error_id = error["message"].split("error id ")[1].split(";")[0]
+    assert "an engine bug" not in error["message"]  # details stay in the log
+    logged = [rec for rec in caplog.records if error_id in rec.getMessage()]
+    assert logged and logged[0].exc_info is not None
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    line = 'thermostat_server_errors_total{code="internal_error"}'
+    count = {
+        t: float(m.split(line)[1].split()[0]) if line in m else 0.0
+        for t, m in (("before", before), ("after", metrics))
+    }
+    assert count["after"] == count["before"] + 1
+    assert not engine.has_unfinished()
