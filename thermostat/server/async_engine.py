@@ -8,7 +8,13 @@ Threads and what crosses between them:
 | engine -> loop   | `loop.call_soon_threadsafe(...)`     | add results, deltas, stats       |
 
 Invariants:
-- Only the engine thread touches the LLMEngine; commands are applied between steps, in order.
+- The engine thread builds the LLMEngine (loads the model) and is then the only thread that
+  touches it, and the only thread of the server that computes with torch. PyTorch's OpenMP
+  runtime (libgomp) gives each thread that enters a parallel region its own team of workers; once
+  the process has more OpenMP workers than cores, libgomp throttles their spin-wait, so every one
+  of the ~350 small parallel regions of a decode step waits for a futex wake-up. A model loaded
+  on one thread and stepped on another ran batch-1 decode at half speed.
+- Commands are applied between steps, in order.
 - The engine thread blocks on the command queue while the engine has nothing to do (no busy
   loop); while it has work it drains pending commands without blocking, then steps.
 - Nothing the loop receives is touched by the engine again: deltas are new objects each step,
@@ -26,6 +32,7 @@ import contextlib
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from thermostat.engine.llm_engine import LLMEngine
@@ -137,8 +144,9 @@ class _Stop:
 class AsyncEngine:
     """Async front of an LLMEngine; create and use it from the event loop that serves requests."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, build: Callable[[], LLMEngine]) -> None:
+        self._build = build
+        self.engine: LLMEngine  # set by the engine thread once built (`start` returns it)
         self.stats = EngineStats()
         self._commands: queue.SimpleQueue[_Add | _Abort | _AbortStream | _Stop] = (
             queue.SimpleQueue()
@@ -151,10 +159,16 @@ class AsyncEngine:
 
     # ---- event-loop side ----
 
-    def start(self) -> None:
+    async def start(self) -> LLMEngine:
+        """Start the engine thread, which builds the engine and then runs its step loop; return
+        the engine once built, or raise what building it raised."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="thermostat-engine", daemon=True)
+        built: asyncio.Future[LLMEngine] = self._loop.create_future()
+        self._thread = threading.Thread(
+            target=self._main, args=(built,), name="thermostat-engine", daemon=True
+        )
         self._thread.start()
+        return await built
 
     @property
     def num_waiting(self) -> int:
@@ -243,6 +257,16 @@ class AsyncEngine:
             prefix_cache_queries=blocks.prefix_cache_queries,
             prefix_cache_hits=blocks.prefix_cache_hits,
         )
+
+    def _main(self, built: asyncio.Future[LLMEngine]) -> None:
+        assert self._loop is not None
+        try:
+            self.engine = self._build()
+        except BaseException as exc:
+            self._loop.call_soon_threadsafe(built.set_exception, exc)
+            return
+        self._loop.call_soon_threadsafe(built.set_result, self.engine)
+        self._run()
 
     def _run(self) -> None:
         while True:

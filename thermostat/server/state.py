@@ -3,7 +3,7 @@
     loading ──(model loaded)──► ready ──(SIGTERM / shutdown)──► draining
         └──(load failed)──► failed
 
-The model loads in a worker thread after the app starts, so /health answers 503 while it does.
+The model loads on the engine thread after the app starts, so /health answers 503 while it does.
 The readiness log line is written once the model is loaded AND the socket is listening.
 """
 
@@ -70,22 +70,24 @@ class ServerState:
             log.warning("sampling: %s", warning)
 
     async def _load(self) -> None:
-        cfg = self.config.engine
-        log.info("loading %s", self.model_dir)
+        cfg, model_dir, defaults = self.config.engine, self.model_dir, self.defaults.defaults
+        log.info("loading %s", model_dir)
+
+        def build() -> LLMEngine:  # runs on the engine thread (see AsyncEngine)
+            loaded = load_model(model_dir, cfg.dtype, cfg.max_model_len, cfg.cpu_kernels)
+            return LLMEngine(cfg, defaults, loaded)
+
+        async_engine = AsyncEngine(build)
         try:
-            loaded = await asyncio.to_thread(
-                load_model, self.model_dir, cfg.dtype, cfg.max_model_len, cfg.cpu_kernels
-            )
-            engine = await asyncio.to_thread(LLMEngine, cfg, self.defaults.defaults, loaded)
+            engine = await async_engine.start()
         except Exception:
             log.exception("the model could not be loaded; exiting")
             self.status = "failed"
             self.on_fatal()
             return
-        self.engine = AsyncEngine(engine)
-        self.engine.start()
-        self.prompts = PromptBuilder(loaded.tokenizer)
-        self.tokens = TokenText(loaded.tokenizer)
+        self.engine = async_engine
+        self.prompts = PromptBuilder(engine.tokenizer)
+        self.tokens = TokenText(engine.tokenizer)
         self.max_model_len = engine.max_model_len
         self.serving = Serving(
             self.defaults.model,

@@ -1,0 +1,212 @@
+"""Output tokens/s over HTTP against the same engine offline, and against llama.cpp's
+`llama-server` when a binary and a GGUF of the same weights are given, in one interleaved run.
+
+    .venv/bin/python benchmarks/bench_http.py [--model DIR] [--concurrency 1 8 32] [--repeats 2]
+        [--llama-server PATH/llama-server --gguf PATH/model-f16.gguf] [--json]
+
+Without --model it writes a random-weight model shaped like SmolLM2-135M (bf16), as
+bench_engine.py does; `../shared/peers/` builds llama-server and converts its `small` model.
+Every load is 128-token prompts and 128 new tokens per request (`ignore_eos`), streamed, from
+the client of `thermostat bench`: concurrency C sends `max(C, 4)` requests (C at a time), and
+the offline engine gets C prompts at once through `LLM.generate` (batch C), each in its own
+process with 2 torch threads. Each repeat runs every contender once per concurrency in turn, so
+machine noise hits them alike; the table reports medians and the HTTP/offline ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from thermostat.commands.bench import bench
+
+console = Console(stderr=True)
+REPO = Path(__file__).resolve().parent.parent
+
+OFFLINE = """
+import json, sys, time, torch
+from thermostat import LLM, SamplingParams
+model, batch, prompt_tokens, output_tokens = sys.argv[1], *map(int, sys.argv[2:5])
+llm = LLM(model, num_threads=2, max_num_seqs=max(batch, 1), enable_prefix_caching=False)
+params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
+gen = torch.Generator().manual_seed(batch)
+def prompts():
+    return torch.randint(100, llm.engine.loaded.arch.vocab_size, (batch, prompt_tokens),
+                         generator=gen).tolist()
+llm.generate(prompts()[:1], SamplingParams(max_tokens=4))  # warm-up
+start = time.perf_counter()
+outs = llm.generate(prompts(), params)
+elapsed = time.perf_counter() - start
+print(json.dumps({"tok_s": sum(len(o.token_ids) for o in outs) / elapsed}))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"server at {url} not ready after {timeout_s:.0f} s")
+
+
+@contextmanager
+def serving(name: str, command: list[str], log_dir: Path) -> Iterator[str]:
+    """Run a server command (with {PORT}) until the block ends; yield its URL."""
+    port = free_port()
+    log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 (closed below)
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    proc = subprocess.Popen(
+        [c.replace("{PORT}", str(port)) for c in command],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def http_load(url: str, concurrency: int, args: argparse.Namespace) -> float:
+    load = argparse.Namespace(
+        url=url,
+        model=None,
+        endpoint="completions",
+        num_requests=max(concurrency, 4),
+        concurrency=concurrency,
+        request_rate=None,
+        prompt_tokens=args.prompt_tokens,
+        output_tokens=args.output_tokens,
+        api_key=None,
+        timeout=300.0,
+        max_duration=600.0,
+        seed=concurrency,
+        json=True,
+    )
+    summary = asyncio.run(bench(load))
+    if summary["errors"]:
+        raise RuntimeError(f"{url}: {summary['error_examples']}")
+    return summary["output_tokens_per_s"]
+
+
+def offline(model: Path, batch: int, args: argparse.Namespace) -> float:
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    out = subprocess.run(
+        [sys.executable, "-c", OFFLINE, str(model), str(batch), str(args.prompt_tokens),
+         str(args.output_tokens)],
+        capture_output=True, text=True, env=env, timeout=900, check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])["tok_s"]
+
+
+def random_model(directory: Path) -> Path:
+    import torch
+
+    from thermostat.random_model import SMOLLM2_135M, write_model
+
+    return write_model(
+        directory / "smollm2-135m-shape", "llama", dtype=torch.bfloat16, **SMOLLM2_135M
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", type=Path, help="a Hugging Face model directory (default: random)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary")
+    p.add_argument("--gguf", type=Path, help="the same weights as GGUF, for --llama-server")
+    p.add_argument("--json", action="store_true", help="print the medians as JSON on stdout")
+    args = p.parse_args()
+    if (args.llama_server is None) != (args.gguf is None):
+        p.error("--llama-server and --gguf go together")
+    top = max(args.concurrency)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or random_model(Path(tmp))
+        thermostat = [
+            sys.executable, "-m", "thermostat.cli", "serve", "--model", str(model),
+            "--port", "{PORT}", "--num-threads", "2", "--max-num-seqs", str(top),
+            "--no-enable-prefix-caching",
+        ]  # fmt: skip
+        servers = {"thermostat (HTTP)": thermostat}
+        if args.llama_server:
+            servers["llama-server"] = [
+                str(args.llama_server), "-m", str(args.gguf), "-t", "2", "-tb", "2",
+                "-c", str(top * 512), "-np", str(top), "--host", "127.0.0.1", "--port", "{PORT}",
+                "--no-webui",
+            ]  # fmt: skip
+        runs: dict[tuple[str, int], list[float]] = {}
+        for repeat in range(args.repeats):
+            for c in args.concurrency:
+                tok_s = offline(model, c, args)
+                runs.setdefault(("thermostat (offline engine)", c), []).append(tok_s)
+                console.print(f"repeat {repeat} c={c} offline engine: {tok_s:.1f} tok/s")
+            for name, command in servers.items():
+                with serving(name.split()[0], command, Path(tmp)) as url:
+                    http_load(url, 1, args)  # warm-up
+                    for c in args.concurrency:
+                        tok_s = http_load(url, c, args)
+                        runs.setdefault((name, c), []).append(tok_s)
+                        console.print(f"repeat {repeat} c={c} {name}: {tok_s:.1f} tok/s")
+    medians = {key: statistics.median(values) for key, values in runs.items()}
+    names = ["thermostat (HTTP)", "thermostat (offline engine)", *list(servers)[1:]]
+    table = Table(title=f"output tok/s, {args.prompt_tokens}/{args.output_tokens} tokens, medians")
+    table.add_column("contender")
+    for c in args.concurrency:
+        table.add_column(f"c={c}", justify="right")
+    for name in names:
+        table.add_row(name, *(f"{medians[(name, c)]:.1f}" for c in args.concurrency))
+    for name in names[1:]:
+        table.add_row(
+            f"HTTP / {name}",
+            *(
+                f"{medians[('thermostat (HTTP)', c)] / medians[(name, c)]:.2f}x"
+                for c in args.concurrency
+            ),
+        )
+    console.print(table)
+    if args.json:
+        print(json.dumps({f"{n}@{c}": v for (n, c), v in medians.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
