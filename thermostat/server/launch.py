@@ -1,13 +1,15 @@
 """Run the app with uvicorn: readiness once the socket listens, and a graceful drain.
 
-On SIGTERM (or SIGINT) the server stops accepting connections, answers 503 to new requests on
-open connections, lets in-flight requests finish (at most `drain_timeout_s`), then stops the
-engine thread and exits.
+On SIGTERM (or SIGINT) the server drains: it keeps listening and answers 503 to every new
+request while the requests in flight finish (at most `drain_timeout_s`), then closes its
+sockets, stops the engine thread and exits with status 0 (a drain is a clean exit, not a death
+by signal).
 """
 
 from __future__ import annotations
 
 import math
+import signal
 import socket
 from types import FrameType
 
@@ -50,9 +52,12 @@ class ThermostatServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.state.begin_draining()  # at once: uvicorn notices should_exit on its next tick
         super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM:  # uvicorn would re-raise it after the drain: exit 143
+            self._captured_signals.remove(sig)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        self.state.begin_draining()  # new requests on open connections get 503 from here on
+        self.state.begin_draining()  # new requests get 503 from here on
+        await self.state.drain()  # still listening: new connections get the 503 too
         await super().shutdown(sockets)
 
 

@@ -120,14 +120,16 @@ class ServerState:
             self.status = "draining"
             log.info("draining: refusing new requests, finishing those in flight")
 
+    async def drain(self) -> None:
+        """Wait until no response is in flight (at most drain_timeout_s); idempotent."""
+        if self.engine is not None and not await self.engine.drain(self.config.drain_timeout_s):
+            log.warning("drain timed out with %d responses in flight", self.engine.num_in_flight)
+
     async def shutdown(self) -> None:
         self.begin_draining()
         if self._load_task is not None:
             await self._load_task  # a load in a thread cannot be interrupted
         if self.engine is not None:
-            if not await self.engine.drain(self.config.drain_timeout_s):
-                log.warning(
-                    "drain timed out with %d responses in flight", self.engine.num_in_flight
-                )
+            await self.drain()
             await self.engine.stop()
             self.engine = None
