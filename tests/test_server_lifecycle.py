@@ -71,9 +71,7 @@ def test_serve_reports_drains_on_sigterm_and_exits(tmp_path):
                     proc.send_signal(signal.SIGTERM)
                     signalled = True
                 elif after is None and len(events) > 5:  # a new connection while draining
-                    after = httpx.post(
-                        f"{url}/v1/completions", json={"prompt": "hi"}, timeout=10
-                    )
+                    after = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, timeout=10)
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"

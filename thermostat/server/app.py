@@ -8,6 +8,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from thermostat.engine.loader import DEMO_MODEL_DIR, ModelLoadError, resolve_model_path
+from thermostat.server.body_limits import BodyLimitsMiddleware
 from thermostat.server.config import ServerConfig
 from thermostat.server.defaults import ServerDefaults
 from thermostat.server.errors import install_error_handlers
@@ -44,5 +45,6 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.add_exception_handler(ClientGone, on_client_gone)
     app.include_router(router)
     state.route_paths = {getattr(route, "path", "") for route in app.routes}
+    app.add_middleware(BodyLimitsMiddleware, state=state)  # inside the gate: after auth
     app.add_middleware(GateMiddleware, state=state)
     return app

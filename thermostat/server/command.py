@@ -97,6 +97,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="on SIGTERM, seconds in-flight requests may take to finish",
     )
+    o.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=16.0,
+        metavar="MB",
+        help="request bodies larger than this get a 413 before they are read",
+    )
 
 
 def config_from(args: argparse.Namespace) -> ServerConfig:
@@ -123,6 +130,7 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         max_queue=args.max_queue,
         api_key=args.api_key,
         drain_timeout_s=args.drain_timeout,
+        max_body_bytes=int(args.max_body_mb * 2**20),
     )
 
 

@@ -24,11 +24,14 @@ class ServerConfig:
     api_key: str | None = None  # Bearer token required on /v1, /tokenize, /detokenize
     drain_timeout_s: float = 60.0  # on SIGTERM, how long in-flight requests may finish
     retry_after_s: int = 1  # the Retry-After of a queue-full 503
+    max_body_bytes: int = 16 * 2**20  # larger request bodies get a 413 before they are read
 
     def __post_init__(self) -> None:
         if self.max_queue is not None and self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")

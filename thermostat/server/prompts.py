@@ -4,6 +4,12 @@ prompts as text or token ids. Every prompt leaves here as token ids.
 Chat: `apply_chat_template(messages, add_generation_prompt=True, tokenize=False)`, then encoded
 WITHOUT special tokens (the template already wrote them). Completions: text is encoded with the
 tokenizer's special tokens (a BOS where the model has one), as the engine does for text.
+
+Before anything is rendered or tokenized: a chat role must be one of OpenAI's (the template then
+decides whether it accepts the conversation), and a text longer than the context could hold is
+refused. No token of the vocabulary is longer than `max_token_chars` characters, so a text of
+more than `max_model_len * max_token_chars` characters cannot fit: refusing it costs nothing,
+where tokenizing a megabyte would cost ~100 MB of memory that the allocator keeps.
 """
 
 from __future__ import annotations
@@ -23,15 +29,45 @@ class Prompt:
     text: str | None = None  # as sent, when sent as text (echo returns it verbatim)
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def max_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """An upper bound on the characters one token decodes to: its vocabulary entry's length
+    (byte-level and SentencePiece entries spell a character with at least one symbol)."""
+    return max(len(piece) for piece in tokenizer.get_vocab())
+
+
 class PromptBuilder:
     """Turns messages or completion prompts into token ids; bad ones raise a 400 APIError."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> None:
         self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.max_chars = max_model_len * max_token_chars(tokenizer)
+
+    def check_length(self, chars: int, param: str) -> None:
+        if chars > self.max_chars:
+            raise APIError(
+                400,
+                f"{param}: {chars} characters cannot fit this model's context length of "
+                f"{self.max_model_len} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def chat_text(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
         if not messages:
             raise APIError(400, "messages must not be empty", param="messages", code="empty")
+        for i, message in enumerate(messages):
+            if message.role not in CHAT_ROLES:
+                raise APIError(
+                    400,
+                    f"messages[{i}].role: {message.role!r} is not a chat role (one of "
+                    f"{', '.join(CHAT_ROLES)})",
+                    param="messages",
+                    code="invalid_role",
+                )
         if self.tokenizer.chat_template is None:
             raise APIError(
                 400,
@@ -40,6 +76,7 @@ class PromptBuilder:
                 code="no_chat_template",
             )
         rendered = [_message_dict(i, m) for i, m in enumerate(messages)]
+        self.check_length(sum(len(m["content"]) for m in rendered), "messages")
         try:
             return self.tokenizer.apply_chat_template(
                 rendered, add_generation_prompt=add_generation_prompt, tokenize=False
@@ -66,6 +103,7 @@ class PromptBuilder:
             if not item:
                 raise APIError(400, "prompt must not be empty", param="prompt", code="empty")
             if isinstance(item, str):
+                self.check_length(len(item), "prompt")
                 prompts.append(Prompt(self.tokenizer.encode(item, add_special_tokens=True), item))
             else:
                 prompts.append(Prompt(list(item)))

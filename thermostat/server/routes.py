@@ -150,6 +150,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         special = bool(body.add_special_tokens)
     else:
         text, special = body.prompt or "", body.add_special_tokens is not False
+        state.prompts.check_length(len(text), "prompt")
     tokens = tokenizer.encode(text, add_special_tokens=special)
     return {
         "count": len(tokens),

@@ -86,7 +86,7 @@ class ServerState:
             self.on_fatal()
             return
         self.engine = async_engine
-        self.prompts = PromptBuilder(engine.tokenizer)
+        self.prompts = PromptBuilder(engine.tokenizer, engine.max_model_len)
         self.tokens = TokenText(engine.tokenizer)
         self.max_model_len = engine.max_model_len
         self.serving = Serving(
