@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.progress import Progress
 
@@ -17,7 +17,12 @@ from thermostat.sampling.defaults import build_sampling_defaults
 from thermostat.sampling.params import SamplingParams
 from thermostat.sampling.resolve import Policy, Resolution
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
 __all__ = ["LLM", "Completion", "GenerationOutput"]
+
+Prompts = str | Sequence[int] | Sequence[str | Sequence[int]]  # one prompt, or a list of them
 
 
 @dataclass
@@ -81,7 +86,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: Prompts,
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         progress: bool = False,
@@ -89,15 +94,14 @@ class LLM:
         """Generate for every prompt (text, or a list of token ids). `params` is one
         SamplingParams for all prompts or one per prompt; unset fields are resolved by the
         layered chain. Raises on invalid input before anything is queued."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        batch = [prompts] if _one_prompt(prompts) else prompts
         if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+            params = [params or SamplingParams()] * len(batch)
+        if len(params) != len(batch):
+            raise ValueError(f"{len(params)} SamplingParams for {len(batch)} prompts")
         groups: list[list[QueuedRequest]] = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p in zip(batch, params, strict=True):
                 groups.append(self.engine.add_group(f"gen-{next(self._ids)}", [prompt], p))
         except BaseException:
             for group in groups:
@@ -129,3 +133,8 @@ class LLM:
             )
             for i, group in enumerate(groups)
         ]
+
+
+def _one_prompt(prompts: Prompts) -> TypeIs[str | Sequence[int]]:
+    """Text or token ids of one prompt, not a list of prompts."""
+    return isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -12,6 +13,7 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
+    PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
@@ -24,7 +26,7 @@ TEXT = (
     '<div id="nav"><a href="#top">top</a></div> Ünïcödé — naïve café 日本語 🙂\n'
 ) * 4
 
-CONFIGS = {
+CONFIGS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
     "llama": (LlamaConfig, {}),
     "llama3-rope": (
         LlamaConfig,
@@ -80,7 +82,7 @@ def write_model(
 ) -> Path:
     """Save a tiny random model of `kind` (a CONFIGS key) with a tokenizer to `path`."""
     config_cls, extra = CONFIGS[kind]
-    fields = dict(
+    fields: dict[str, Any] = dict(
         vocab_size=320,
         hidden_size=64,
         intermediate_size=128,

@@ -117,9 +117,9 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict[str, Any]
     try:
         async with client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")[:200]
+                detail = (await response.aread()).decode(errors="replace")[:200]
                 return Result(
-                    False, time.perf_counter() - start, error=f"{response.status_code}: {text}"
+                    False, time.perf_counter() - start, error=f"{response.status_code}: {detail}"
                 )
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):

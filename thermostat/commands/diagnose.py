@@ -60,7 +60,7 @@ class Cell:
 
 def decoding_levels(recommended: dict | None, seed: int) -> dict[str, dict]:
     """Sampling fields for each decoding level (fields omitted = server/engine defaults)."""
-    levels = {"greedy": {"temperature": 0.0}, "defaults": {"seed": seed}}
+    levels: dict[str, dict] = {"greedy": {"temperature": 0.0}, "defaults": {"seed": seed}}
     if recommended:
         levels["recommended"] = dict(recommended) | {"seed": seed}
     return levels
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
                 args.api_key,
                 args.max_tokens,
             )
-            setups = [("remote", generate, None)]
+            setups: list[tuple[str, Callable, dict | None]] = [("remote", generate, None)]
         else:
             from thermostat.sampling.recommendations import recommendation_for
 

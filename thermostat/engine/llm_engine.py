@@ -97,7 +97,8 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            ids: list[int] = self.tokenizer.encode(prompt, add_special_tokens=True)
+            return ids
         return list(prompt)
 
     def add_group(
@@ -163,7 +164,9 @@ class LLMEngine:
         )
         req = Request(item.req_id, prompt_ids, eff, frozenset(stop_ids), text=text)
         self.scheduler.add(req)
-        prompt_logprobs = None if eff.prompt_logprobs is None else [None] * len(prompt_ids)
+        prompt_logprobs: list[TokenLogprobs | None] | None = (
+            None if eff.prompt_logprobs is None else [None] * len(prompt_ids)
+        )
         self._emitting[item.req_id] = _Emitting(req, text, prompt_logprobs)
 
     def abort(self, req_id: str) -> None:

@@ -7,10 +7,11 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from thermostat import kernels
 from thermostat.kernels import CpuOps
@@ -32,8 +33,8 @@ class ModelLoadError(ValueError):
 @dataclass
 class LoadedModel:
     path: Path
-    config: object  # transformers PretrainedConfig
-    config_dict: dict
+    config: PretrainedConfig
+    config_dict: dict[str, Any]
     arch: ArchFacts
     model: CausalLM
     tokenizer: PreTrainedTokenizerBase
@@ -60,7 +61,7 @@ def resolve_model_path(model: str | Path) -> Path:
     return path
 
 
-def resolve_dtype(name: str, config) -> torch.dtype:
+def resolve_dtype(name: str, config: PretrainedConfig) -> torch.dtype:
     if name == "auto":
         declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         declared = str(declared).removeprefix("torch.") if declared else "float32"

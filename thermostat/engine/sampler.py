@@ -18,7 +18,8 @@ from thermostat.sampling.fields import BATCH_FIELDS, FIELD
 from thermostat.sampling.params import EffectiveParams
 
 _NEG_INF = float("-inf")
-_TORCH_DTYPES = {"float32": torch.float32, "int64": torch.int64}  # the table's batch_dtype names
+# by the table's SamplingField.batch_dtype (None, a field that is not a batch column: no entry)
+_TORCH_DTYPES: dict[str | None, torch.dtype] = {"float32": torch.float32, "int64": torch.int64}
 
 
 def token_counts(
@@ -259,16 +260,16 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     chosen = token_ids.tolist()
     logprobs: list[TokenLogprobs | None] = [None] * rows
     if raw_logprobs is not None:
-        want = [i for i, k in enumerate(batch.num_logprobs) if k is not None]
-        idx = index(want)
+        want = [(i, k) for i, k in enumerate(batch.num_logprobs) if k is not None]
+        idx = index([i for i, _ in want])
         lp = raw_logprobs[idx]  # [R, V]
         chosen_lp = lp.gather(1, token_ids[idx][:, None])  # [R, 1]
         ranks = ((lp > chosen_lp).sum(dim=-1) + 1).tolist()
-        max_k = min(max(batch.num_logprobs[i] for i in want), vocab)
-        top_lp, top_ids = lp.topk(max_k, dim=-1)  # sorted, best first
-        top_lp, top_ids, chosen_list = top_lp.tolist(), top_ids.tolist(), chosen_lp[:, 0].tolist()
-        for j, i in enumerate(want):
-            k = min(batch.num_logprobs[i], vocab)
-            top = list(zip(top_ids[j][:k], top_lp[j][:k], strict=True))
+        max_k = min(max(k for _, k in want), vocab)
+        values, indices = lp.topk(max_k, dim=-1)  # sorted, best first
+        top_lp, top_ids, chosen_list = values.tolist(), indices.tolist(), chosen_lp[:, 0].tolist()
+        for j, (i, k) in enumerate(want):
+            n = min(k, vocab)
+            top = list(zip(top_ids[j][:n], top_lp[j][:n], strict=True))
             logprobs[i] = TokenLogprobs(chosen[i], chosen_list[j], ranks[j], top)
     return SamplerOutput(token_ids=chosen, logprobs=logprobs)

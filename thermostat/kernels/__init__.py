@@ -24,6 +24,7 @@ that make the choice; forward code calls the function chosen:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -53,14 +54,16 @@ class CpuOps:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [N, dim] (unit stride along dim, dim % 16 == 0), weight [dim] -> [N, dim]."""
-        return self.module.rms_norm(x, weight, eps)
+        y: torch.Tensor = self.module.rms_norm(x, weight, eps)
+        return y
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
         """residual [N, dim] (contiguous) += x [N, dim], rounded as `residual + x` is; returns
         rms_norm(residual) [N, dim]."""
-        return self.module.add_rms_norm(x, residual, weight, eps)
+        y: torch.Tensor = self.module.add_rms_norm(x, residual, weight, eps)
+        return y
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotates x [T, H, D] (D contiguous, D % 32 == 0; rows and heads may be strided) in
@@ -70,7 +73,8 @@ class CpuOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [T, 2I] (gate columns first, I % 16 == 0) -> silu(gate) * up [T, I]."""
-        return self.module.silu_mul(gate_up)
+        y: torch.Tensor = self.module.silu_mul(gate_up)
+        return y
 
     def write_kv(
         self,
@@ -101,29 +105,32 @@ class CpuOps:
         [num_blocks, block_size, Hkv, D] in q's dtype with empty scales, or uint8 fp8_e4m3 bytes
         with float32 scales [num_blocks, block_size, Hkv, 1]; block_tables [B, nb] int64;
         context_lens [B] int64 (the query token included); window 0 = none. Returns [B, Hq, D]."""
-        return self.module.decode_attention(
+        y: torch.Tensor = self.module.decode_attention(
             q, key_cache, value_cache, key_scale, value_scale, block_tables, context_lens, scale,
             window,
         )  # fmt: skip
+        return y
 
     def pack_vnni(self, weight: torch.Tensor) -> torch.Tensor:
         """bf16 weight [N, K] -> the blocked layout `linear_vnni` reads (N, K padded)."""
-        return self.module.pack_vnni(weight)
+        y: torch.Tensor = self.module.pack_vnni(weight)
+        return y
 
     def linear_vnni(
         self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """x [M, K] bf16, 1 <= M <= vnni_max_rows(); packed from `pack_vnni` of W [n, K];
         bias [n] or None. Returns x W^T + bias [M, n] bf16."""
-        return self.module.linear_vnni(x, packed, n, bias)
+        y: torch.Tensor = self.module.linear_vnni(x, packed, n, bias)
+        return y
 
     def vnni_max_rows(self) -> int:
         """Rows `linear_vnni` takes on this machine: 32 with AMX, else 2."""
-        return self.module.vnni_max_rows()
+        rows: int = self.module.vnni_max_rows()
+        return rows
 
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}
 
 
 def cpu_flags() -> set[str]:
@@ -150,20 +157,25 @@ def unavailable_reason() -> str | None:
 def ops() -> CpuOps | None:
     """The compiled kernels, or None (the reason is logged once and kept in `status()`)."""
     with _lock:
-        if "ops" not in _state:
-            module, _state["reason"] = _build()
-            _state["ops"] = None if module is None else CpuOps(module)
-            if module is None:
-                log.warning("CPU kernels off (%s): using the PyTorch path", _state["reason"])
-        return _state["ops"]  # type: ignore[return-value]
+        return _load()[0]
 
 
 def status() -> str:
     """One line for startup logs and bench reports."""
     compiled = ops()
     if compiled is None:
-        return f"off ({_state['reason']})"
+        return f"off ({_load()[1]})"
     return "on (AMX for decode batches)" if compiled.vnni_max_rows() > 2 else "on (no AMX)"
+
+
+@functools.cache
+def _load() -> tuple[CpuOps | None, str | None]:
+    """(the kernels or None, why they are off): built once, under `_lock`."""
+    module, reason = _build()
+    if module is None:
+        log.warning("CPU kernels off (%s): using the PyTorch path", reason)
+        return None, reason
+    return CpuOps(module), None
 
 
 def _build() -> tuple[ModuleType | None, str | None]:

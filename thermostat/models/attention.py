@@ -56,12 +56,11 @@ def paged_attention(
     prefill chunks use SDPA."""
     cache.write(layer, (k, v), meta.slot_mapping)
     nd = meta.num_decodes
-    out = torch.empty_like(q) if meta.prefills else None
+    if not meta.prefills:
+        return cache.decode_attention(q[:nd], layer, meta, scale)  # a pure decode batch
+    out = torch.empty_like(q)
     if nd:
-        o = cache.decode_attention(q[:nd], layer, meta, scale)
-        if out is None:
-            return o  # a pure decode batch
-        out[:nd] = o
+        out[:nd] = cache.decode_attention(q[:nd], layer, meta, scale)
     start, segs, i = nd, meta.prefills, 0
     while i < len(segs):
         seg = segs[i]
@@ -73,7 +72,7 @@ def paged_attention(
                 j += 1
             n, length = j - i, seg.q_len
             end = start + n * length
-            qs, ks, vs = (t[start:end].unflatten(0, (n, length)) for t in (q, k, v))
+            qs, ks, vs = (torch.unflatten(t[start:end], 0, (n, length)) for t in (q, k, v))
             o = F.scaled_dot_product_attention(
                 qs.transpose(1, 2),  # [n, Hq, q_len, D]
                 ks.transpose(1, 2),

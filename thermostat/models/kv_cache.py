@@ -209,6 +209,7 @@ class PagedKVCache:
     def _write_compiled(
         self, layer: int, values: tuple[torch.Tensor, ...], slots: torch.Tensor
     ) -> None:
+        assert self.ops is not None  # __init__ picks this path only with ops
         key, value = values
         self.ops.write_kv(self.store["key"][layer], self.store["value"][layer], key, value, slots)
 
@@ -229,9 +230,14 @@ class PagedKVCache:
     def _decode_compiled(
         self, q: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
+        assert self.ops is not None  # __init__ picks this path only with ops
+        key, value, key_scale, value_scale = self.layer_storage(layer)
         return self.ops.decode_attention(
             q,
-            *self.layer_storage(layer),
+            key,
+            value,
+            key_scale,
+            value_scale,
             meta.decode_block_tables,
             meta.decode_context_lens,
             scale,

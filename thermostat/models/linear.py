@@ -17,7 +17,8 @@ from thermostat.kernels import CpuOps
 
 
 def packing_available(dtype: torch.dtype) -> bool:
-    return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    # ignore: torch leaves mkldnn.is_available unannotated
+    return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
 
 
 class PackedLinear(nn.Module):
@@ -42,11 +43,15 @@ class PackedLinear(nn.Module):
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def _onednn(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            flat, self.packed, self.bias, "none", [], ""
+        )
+        return y
 
     def _vnni_or_onednn(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.shape[0] > self.vnni_rows:
             return self._onednn(flat)
+        assert self.ops is not None and self.vnni is not None  # __init__: this path only with ops
         return self.ops.linear_vnni(flat, self.vnni, self.out_features, self.bias)
 
 

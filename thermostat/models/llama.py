@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,9 @@ from thermostat.models.attention import AttentionMetadata, paged_attention
 from thermostat.models.kv_cache import KVCacheSpec, PagedKVCache
 from thermostat.models.linear import pack_linears
 from thermostat.models.rope import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,7 @@ class ModelArch:
     max_position_embeddings: int
 
     @classmethod
-    def from_config(cls, config, arch: str) -> ModelArch:
+    def from_config(cls, config: PretrainedConfig, arch: str) -> ModelArch:
         """`arch`: the config's architecture name, one the registry maps to this family."""
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
@@ -80,9 +84,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         # The one choice of this op (the table in thermostat.kernels).
-        compiled = ops is not None and dim % 16 == 0
-        self._norm = ops.rms_norm if compiled else _rms_norm
-        self._add_norm = ops.add_rms_norm if compiled else _add_rms_norm
+        compiled = ops if dim % 16 == 0 else None
+        self._norm = _rms_norm if compiled is None else compiled.rms_norm
+        self._add_norm = _add_rms_norm if compiled is None else compiled.add_rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._norm(x, self.weight, self.eps)
@@ -130,22 +134,30 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, None) if arch.qk_norm else None
         self.scale = arch.head_dim**-0.5
         # The one choice of this op (the table in thermostat.kernels).
-        compiled = ops is not None and arch.head_dim % 32 == 0
-        self._rotary = ops.rotary if compiled else apply_rotary
+        compiled = ops if arch.head_dim % 32 == 0 else None
+        self._rotary = apply_rotary if compiled is None else compiled.rotary
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, cache: PagedKVCache) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat(
                 [self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1
             )
         qk = self._rotary(qk, cos, sin)  # q and k heads together: one pass
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = paged_attention(q, k, v, self.layer, cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        y: torch.Tensor = self.o_proj(o.reshape(t, self.q_size))
+        return y
 
 
 class MLP(nn.Module):
@@ -155,11 +167,12 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * self.intermediate, bias=arch.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate, arch.hidden_size, bias=arch.mlp_bias)
         # The one choice of this op (the table in thermostat.kernels).
-        compiled = ops is not None and self.intermediate % 16 == 0
-        self._act = ops.silu_mul if compiled else _silu_mul
+        compiled = ops if self.intermediate % 16 == 0 else None
+        self._act = _silu_mul if compiled is None else compiled.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self._act(self.gate_up_proj(x)))
+        y: torch.Tensor = self.down_proj(self._act(self.gate_up_proj(x)))
+        return y
 
 
 class DecoderLayer(nn.Module):
@@ -170,7 +183,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.mlp = MLP(arch, ops)
 
-    def forward(self, x, residual, cos, sin, meta, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to `residual` (None before the first
         layer, where x is the embedding). Returns (this layer's output, residual): the residual
         stream is updated in place, each add fused with the norm that follows it."""
@@ -189,7 +210,7 @@ class LlamaFamilyModel(nn.Module):
     def __init__(
         self,
         arch: ModelArch,
-        config,
+        config: PretrainedConfig,
         dtype: torch.dtype,
         max_positions: int,
         ops: CpuOps | None = None,
@@ -210,7 +231,7 @@ class LlamaFamilyModel(nn.Module):
         self.eval()
 
     @classmethod
-    def arch_from_config(cls, config, architecture: str) -> ModelArch:
+    def arch_from_config(cls, config: PretrainedConfig, architecture: str) -> ModelArch:
         return ModelArch.from_config(config, architecture)
 
     def cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
@@ -228,15 +249,18 @@ class LlamaFamilyModel(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         cos, sin = self.rotary.tables(positions)
-        x, residual = self.embed_tokens(input_ids), None
+        x: torch.Tensor = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, meta, cache)
+        assert residual is not None  # set by the first layer
         return self.norm.add_forward(x, residual)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
-        return self.lm_head(hidden).float()
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits.float()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face parameter names, fusing q/k/v and gate/up. Raises ValueError naming
@@ -277,7 +301,9 @@ class LlamaFamilyModel(nn.Module):
         pack_linears(self, self.ops)
 
     @staticmethod
-    def _copy(params: dict, name: str, tensor: torch.Tensor, hf_name: str) -> None:
+    def _copy(
+        params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, hf_name: str
+    ) -> None:
         if name not in params:
             raise ValueError(f"checkpoint: unexpected parameter {hf_name}")
         param = params[name]

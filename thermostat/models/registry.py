@@ -10,7 +10,7 @@ layers choosing their ops as thermostat.kernels lists), plus one line per archit
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -18,6 +18,9 @@ from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata
 from thermostat.models.kv_cache import KVCacheSpec, PagedKVCache
 from thermostat.models.llama import LlamaFamilyModel
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class ArchFacts(Protocol):
@@ -47,14 +50,14 @@ class CausalLM(Protocol):
     def __init__(
         self,
         arch: ArchFacts,
-        config: object,
+        config: PretrainedConfig,
         dtype: torch.dtype,
         max_positions: int,
         ops: CpuOps | None = None,
     ) -> None: ...
 
     @classmethod
-    def arch_from_config(cls, config: object, architecture: str) -> ArchFacts:
+    def arch_from_config(cls, config: PretrainedConfig, architecture: str) -> ArchFacts:
         """The family's arch from a transformers PretrainedConfig; ValueError or AttributeError
         for a config it cannot serve."""
         ...

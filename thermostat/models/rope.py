@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-def rope_parameters(config) -> dict:
+
+def rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     params = dict(params or {})
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -14,7 +19,7 @@ def rope_parameters(config) -> dict:
     return params
 
 
-def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
+def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim // 2] float32, attention scaling). Scaled types (linear, llama3, yarn,
     dynamic, longrope) are computed by transformers' own table from the config."""
     params = rope_parameters(config)
@@ -31,7 +36,9 @@ def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding:
     """cos/sin tables for positions [0, max_positions), indexed once per step."""
 
-    def __init__(self, config, head_dim: int, max_positions: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: PretrainedConfig, head_dim: int, max_positions: int, dtype: torch.dtype
+    ) -> None:
         inv_freq, scaling = inverse_frequencies(config, head_dim)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)

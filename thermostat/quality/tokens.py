@@ -38,7 +38,9 @@ def ends_in_word(text: str) -> bool:
 
 def safe_cut(text: str) -> int:
     """Index of the last safe cut in `text`: where its trailing run of word characters starts."""
-    return len(text) - _WORD_RUN_RE.match(text[::-1]).end()  # O(len): anchored on the reverse
+    run = _WORD_RUN_RE.match(text[::-1])  # O(len): anchored on the reverse
+    assert run is not None  # \w* matches the empty string
+    return len(text) - run.end()
 
 
 class IncrementalTokenizer:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import GenericAlias
 from typing import Any, Literal
 
 from thermostat.errors import InvalidRequest
@@ -68,9 +69,9 @@ class SamplingField:
     def annotation(self) -> Any:
         """The Python type of a set value (request models add `| None`)."""
         if self.shape == "list":
-            return list[self.type]
+            return GenericAlias(list, self.type)
         if self.shape == "one_or_list":
-            return self.type | list[self.type]
+            return self.type | GenericAlias(list, self.type)
         return self.type
 
     @property

@@ -45,7 +45,8 @@ RECOMMENDATIONS: dict[str, Recommendation] = {
 def detect_family(config: dict[str, Any]) -> str | None:
     """The family key of RECOMMENDATIONS that a HF config.json belongs to, if any."""
     if config.get("thermostat_family") in RECOMMENDATIONS:  # set by Thermostat's own models
-        return config["thermostat_family"]
+        family: str = config["thermostat_family"]
+        return family
     model_type = str(config.get("model_type", "")).lower()
     if model_type.startswith("deepseek"):
         return "deepseek"

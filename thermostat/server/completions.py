@@ -7,7 +7,7 @@ of them without a logprob: what lm-evaluation-harness's loglikelihood requests r
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from thermostat.engine.sampler import TokenLogprobs
@@ -22,7 +22,7 @@ def _prompt_text(prompt: Prompt, tokens: TokenText) -> str:
 
 
 def _logprobs(
-    entries: list[TokenLogprobs | None] | None,
+    entries: Sequence[TokenLogprobs | None] | None,
     token_ids: list[int],
     prompt: Prompt | None,
     prompt_logprobs: list[TokenLogprobs | None] | None,

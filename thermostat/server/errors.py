@@ -17,7 +17,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -84,7 +84,7 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(error_body(err), status_code=err.status, headers=err.headers)
 
 
-def validation_error(errors: list[dict[str, Any]]) -> APIError:
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
     """400 for pydantic errors; `param` is the top-level body field at fault."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     loc = [part for part in first.get("loc", ()) if part != "body"]

@@ -9,6 +9,7 @@ Logprobs are natural logs of the raw model distribution (before temperature and 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -25,11 +26,12 @@ class TokenText:
         self.text = lru_cache(maxsize=65536)(self._text)
         self.bytes = lru_cache(maxsize=65536)(self._bytes)
 
+    # ignores: transformers types decode's result as `str | list[str]`; one sequence gives a str
     def decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=False)
+        return self._tokenizer.decode(token_ids, skip_special_tokens=False)  # type: ignore[return-value]
 
     def _text(self, token_id: int) -> str:
-        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)  # type: ignore[return-value]
 
     def _bytes(self, token_id: int) -> list[int]:
         piece = self._tokenizer.convert_ids_to_tokens(token_id)
@@ -73,7 +75,7 @@ def chat_logprobs(entries: list[TokenLogprobs], tokens: TokenText) -> dict[str, 
 
 
 def completion_logprobs(
-    entries: list[TokenLogprobs | None],
+    entries: Sequence[TokenLogprobs | None],
     token_ids: list[int],
     tokens: TokenText,
     text_offset: int = 0,

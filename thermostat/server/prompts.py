@@ -78,7 +78,8 @@ class PromptBuilder:
         rendered = [_message_dict(i, m) for i, m in enumerate(messages)]
         self.check_length(sum(len(m["content"]) for m in rendered), "messages")
         try:
-            return self.tokenizer.apply_chat_template(
+            # ignore: transformers types the result as a union; with tokenize=False it is a str
+            return self.tokenizer.apply_chat_template(  # type: ignore[return-value]
                 rendered, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except Exception as exc:  # jinja raises for messages the template refuses

@@ -8,7 +8,7 @@ means "not sent" too. Unknown fields are ignored, as other OpenAI-compatible ser
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
@@ -48,16 +48,22 @@ class ChatMessage(_Strict):
 # Fields both generation endpoints accept: the table's body fields, each `T | None = None`.
 # vLLM/SGLang extras (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
 # skip_special_tokens) are plain body fields, sent by the openai client through `extra_body`.
-_GenerationRequest = create_model(
-    "_GenerationRequest",
-    __base__=_Strict,
-    __module__=__name__,
-    model=(str | None, None),
-    **{f.name: (f.annotation | None, Field(None, description=f.doc)) for f in FIELDS if f.body},
-    stream=(bool | None, None),
-    stream_options=(StreamOptions | None, None),
-    user=(str | None, None),
-)
+if TYPE_CHECKING:  # the type checker cannot see fields made at run time: it reads them as Any
+
+    class _GenerationRequest(_Strict):
+        def __getattr__(self, name: str) -> Any: ...
+
+else:
+    _GenerationRequest = create_model(
+        "_GenerationRequest",
+        __base__=_Strict,
+        __module__=__name__,
+        model=(str | None, None),
+        **{f.name: (f.annotation | None, Field(None, description=f.doc)) for f in FIELDS if f.body},
+        stream=(bool | None, None),
+        stream_options=(StreamOptions | None, None),
+        user=(str | None, None),
+    )
 
 
 class ChatCompletionRequest(_GenerationRequest):

@@ -45,11 +45,12 @@ class ServerState:
         self.route_paths: set[str] = set()
         self.address: str | None = None  # http://host:port once listening
         self.on_fatal: Callable[[], None] = lambda: None  # asks the server process to exit
-        # Set once loaded:
+        # Set once loaded (routes that use serving, prompts and tokens are served only when
+        # ready: see server.middleware):
         self.engine: AsyncEngine | None = None
-        self.serving: Serving | None = None
-        self.prompts: PromptBuilder | None = None
-        self.tokens: TokenText | None = None
+        self.serving: Serving
+        self.prompts: PromptBuilder
+        self.tokens: TokenText
         self.max_model_len = 0
         self._load_task: asyncio.Task[None] | None = None
         self._announced = False
