@@ -1,11 +1,11 @@
-"""Thermostat's CPU kernels (cpu_kernels.cpp), compiled for this machine on first use.
+"""Thermostat's CPU kernels (cpu_kernels.cpp), compiled for this machine.
 
 `ops()` is the one entry point: a `CpuOps` of typed calls into the compiled module, or None where
 the kernels cannot run here (a CPU without AVX-512 BF16, no C++ compiler, THERMOSTAT_KERNELS=0 in
 the environment). The loader calls it once (`load_model(cpu_kernels=...)`) and hands the result
-to the model and the KV cache. The build is cached by torch (~/.cache/torch_extensions, or
-TORCH_EXTENSIONS_DIR), so only the first start on a machine compiles; why the kernels are off is
-logged once.
+to the model and the KV cache. The module is built by `python -m thermostat.kernels` (which
+tools/setup.sh runs) and cached per source, torch, Python, flags and CPU (`build.py`), so a server
+start only imports it; why the kernels are off is logged once.
 
 Each op is chosen once, where its user is built, between the compiled call and its PyTorch
 reference (the reference is also what the kernels are tested against). These are the only places
@@ -26,22 +26,25 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
+
+from thermostat.kernels.build import (
+    build_failure,
+    cache_root,
+    load_or_build,
+    module_path,
+    this_key,
+    unavailable_reason,
+)
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("thermostat.kernels")
-
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-# Instruction sets the source uses (Linux /proc/cpuinfo names).
-REQUIRED_CPU_FLAGS = ("avx2", "f16c", "fma", "avx512f", "avx512bw", "avx512_bf16")
 
 
 @dataclass(frozen=True)
@@ -133,27 +136,6 @@ class CpuOps:
 _lock = threading.Lock()
 
 
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def unavailable_reason() -> str | None:
-    """Why the kernels cannot be used on this machine, or None if they can be built."""
-    if os.environ.get("THERMOSTAT_KERNELS", "1") == "0":
-        return "THERMOSTAT_KERNELS=0"
-    missing = [f for f in REQUIRED_CPU_FLAGS if f not in cpu_flags()]
-    if missing:
-        return f"this CPU lacks {', '.join(missing)}"
-    return None
-
-
 def ops() -> CpuOps | None:
     """The compiled kernels, or None (the reason is logged once and kept in `status()`)."""
     with _lock:
@@ -182,20 +164,13 @@ def _build() -> tuple[ModuleType | None, str | None]:
     reason = unavailable_reason()
     if reason:
         return None, reason
-    from torch.utils.cpp_extension import load
-
+    key = this_key()
+    if not module_path(key).exists():
+        log.info("building CPU kernels into %s (setup does it ahead)", cache_root() / key)
     start = time.perf_counter()
-    log.info("loading CPU kernels (compiled on the first start on a machine, ~30 s)")
     try:
-        module = load(
-            name="thermostat_cpu_kernels",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        module = load_or_build(key)
     except Exception as exc:  # no compiler, no ninja, a toolchain without these intrinsics
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return None, f"build failed: {first_line}"
+        return None, build_failure(exc)
     log.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
     return module, None

@@ -1,0 +1,136 @@
+"""Building cpu_kernels.cpp for this machine, cached per distinct build.
+
+Everything that changes the binary is hashed into one key, and each key has its own directory
+under `cache_root()` ($THERMOSTAT_KERNEL_CACHE, else ~/.cache/thermostat/kernels):
+
+| path                                   | what                                              |
+|----------------------------------------|---------------------------------------------------|
+| <key>/thermostat_cpu_kernels_<key>.so  | the published module: complete (os.replace) or absent |
+| <key>/build/                           | torch's build directory (ninja file, objects, lock) |
+
+key = `cache_key(source bytes, torch version, Python ABI tag, compiler flags, CPU ISA flags)`.
+Checkouts, venvs and machines (a home directory shared between CPUs) whose builds differ never
+rebuild over each other; equal keys share one build. A start with the module published imports it
+directly (no compiler, no ninja); `python -m thermostat.kernels` (run by tools/setup.sh) publishes
+it ahead, and a first use without it builds it then.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from types import ModuleType
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+NAME = "thermostat_cpu_kernels"
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+# Instruction sets the source uses (Linux /proc/cpuinfo names).
+REQUIRED_CPU_FLAGS = ("avx2", "f16c", "fma", "avx512f", "avx512bw", "avx512_bf16")
+# /proc/cpuinfo flags that -march=native turns into code (instruction sets), by prefix; the
+# others (bugs, power management, virtualisation) do not change the binary.
+ISA_FLAG_PREFIXES = ("avx", "amx", "sse", "ssse", "fma", "f16c", "bmi", "abm", "popcnt", "movbe")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels cannot be used on this machine, or None if they can be built."""
+    if os.environ.get("THERMOSTAT_KERNELS", "1") == "0":
+        return "THERMOSTAT_KERNELS=0"
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    return None
+
+
+def cache_key(
+    source: bytes,
+    torch_version: str,
+    python_tag: str,
+    build_flags: Iterable[str],
+    cpu_isa_flags: Iterable[str],
+) -> str:
+    """16 hex digits over everything the compiled module depends on. Flag order is kept for the
+    compiler flags (it matters to the compiler) and ignored for the CPU's."""
+    digest = hashlib.sha256(source)
+    for part in (torch_version, python_tag, " ".join(build_flags), " ".join(sorted(cpu_isa_flags))):
+        digest.update(b"\0" + part.encode())
+    return digest.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    custom = os.environ.get("THERMOSTAT_KERNEL_CACHE")
+    return Path(custom) if custom else Path.home() / ".cache" / "thermostat" / "kernels"
+
+
+def this_key() -> str:
+    """The key of this checkout's source with this torch, Python and CPU."""
+    import torch
+
+    isa = {f for f in cpu_flags() if f.startswith(ISA_FLAG_PREFIXES)}
+    return cache_key(
+        SOURCE.read_bytes(),
+        torch.__version__,
+        sys.implementation.cache_tag,
+        CFLAGS + LDFLAGS,
+        isa,
+    )
+
+
+def module_path(key: str) -> Path:
+    return cache_root() / key / f"{NAME}_{key}.so"
+
+
+def load_or_build(key: str) -> ModuleType:
+    """Imports the published module of `key`, building and publishing it first if absent.
+    Raises whatever the build raises (no compiler, no ninja, a toolchain without the
+    intrinsics)."""
+    import torch  # noqa: F401  (the module links against the libtorch this loads)
+
+    name, path = f"{NAME}_{key}", module_path(key)
+    if not path.exists():
+        from torch.utils.cpp_extension import load
+
+        build_dir = path.parent / "build"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # torch's file lock in build_dir makes a concurrent build of the same key wait.
+        built = load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        shutil.copyfile(built.__file__, partial)
+        os.replace(partial, path)
+        module: ModuleType = built
+        return module
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_failure(exc: Exception) -> str:
+    """One line for why `load_or_build` raised (torch's message goes on with the compiler's
+    output)."""
+    text = str(exc).strip()
+    return f"build failed: {text.splitlines()[0] if text else type(exc).__name__}"
