@@ -351,3 +351,45 @@ def test_bench_against_the_server(server, capsys):
     assert code == 0 and summary["completed"] == 6 and summary["errors"] == 0
     assert summary["output_tokens"] == 24 and summary["model"] == server.model
     assert summary["ttft_s"]["p50"] > 0 and summary["itl_s"]["p99"] >= summary["itl_s"]["p50"]
+
+
+def test_usage_reports_prefix_cache_hits_and_reset_prefix_cache_forgets_them(server, client):
+    """What load tools and eval harnesses read: cached_tokens (OpenAI's field) and vLLM's
+    POST /reset_prefix_cache."""
+    prompt = list(range(1, 70))  # four full blocks of 16 and a tail
+    kwargs = dict(model=server.model, prompt=prompt, max_tokens=2, temperature=0)
+    httpx.post(f"{server.url}/reset_prefix_cache", timeout=10)
+    first = client.completions.create(**kwargs)
+    second = client.completions.create(**kwargs)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 64
+    reset = httpx.post(f"{server.url}/reset_prefix_cache", timeout=10)
+    assert reset.status_code == 200 and reset.json()["blocks_dropped"] >= 4
+    third = client.completions.create(**kwargs)
+    assert third.usage.prompt_tokens_details.cached_tokens == 0
+    assert third.choices[0].text == first.choices[0].text
+
+
+def test_continuous_usage_stats_put_usage_on_every_chunk(server, client):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(
+        client.completions.create(
+            model=server.model,
+            prompt="It was the",
+            max_tokens=6,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+            stream=True,
+            stream_options=options,
+        )
+    )
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage is not None for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+    plain = list(
+        client.completions.create(
+            model=server.model, prompt="It was the", max_tokens=6, temperature=0, stream=True
+        )
+    )
+    assert all(c.usage is None for c in plain)

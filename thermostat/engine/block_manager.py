@@ -190,13 +190,17 @@ class BlockManager:
             block.hash = h
             self._hash_to_block[h] = b
 
-    def reset_prefix_cache(self) -> None:
-        """Forget the hashes of all unreferenced blocks (referenced ones keep theirs)."""
+    def reset_prefix_cache(self) -> int:
+        """Forget the hashes of all unreferenced blocks (referenced ones keep theirs); return
+        how many were forgotten."""
+        dropped = 0
         for b in self._free:
             block = self.blocks[b]
             if block.hash is not None:
                 del self._hash_to_block[block.hash]
                 block.hash = None
+                dropped += 1
+        return dropped
 
     def check_integrity(self) -> None:
         """Raise AssertionError naming the first broken invariant, if any."""

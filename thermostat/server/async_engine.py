@@ -4,8 +4,8 @@ Threads and what crosses between them:
 
 | direction        | channel                              | carries                          |
 |------------------|--------------------------------------|----------------------------------|
-| loop -> engine   | `queue.SimpleQueue` of commands      | add (a group of requests), abort |
-| engine -> loop   | `loop.call_soon_threadsafe(...)`     | add results, deltas, stats       |
+| loop -> engine   | `queue.SimpleQueue` of commands      | add (a group), abort, call       |
+| engine -> loop   | `loop.call_soon_threadsafe(...)`     | their results, deltas, stats     |
 
 Invariants:
 - The engine thread builds the LLMEngine (loads the model) and is then the only thread that
@@ -34,6 +34,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from thermostat.engine.llm_engine import LLMEngine
 from thermostat.engine.outputs import QueuedRequest, RequestDelta
@@ -41,6 +42,7 @@ from thermostat.sampling import Resolution, SamplingParams
 from thermostat.server.errors import EngineError
 
 log = logging.getLogger("thermostat.server")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,14 @@ class _Add:
 
 
 @dataclass
+class _Call:
+    """Run `fn(engine)` on the engine thread between steps (e.g. a prefix-cache reset)."""
+
+    fn: Callable[[LLMEngine], Any]
+    done: asyncio.Future[Any]
+
+
+@dataclass
 class _Abort:
     req_ids: list[str]
 
@@ -148,7 +158,7 @@ class AsyncEngine:
         self._build = build
         self.engine: LLMEngine  # set by the engine thread once built (`start` returns it)
         self.stats = EngineStats()
-        self._commands: queue.SimpleQueue[_Add | _Abort | _AbortStream | _Stop] = (
+        self._commands: queue.SimpleQueue[_Add | _Call | _Abort | _AbortStream | _Stop] = (
             queue.SimpleQueue()
         )
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -199,6 +209,14 @@ class AsyncEngine:
         self._active.add(stream)
         return stream
 
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`fn(engine)`, run on the engine thread between two steps; raises what it raised."""
+        if self._thread is None or not self._thread.is_alive():
+            raise EngineError("the engine is not running")
+        done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._commands.put(_Call(fn, done))
+        return await done
+
     def abort(self, req_ids: list[str]) -> None:
         self._commands.put(_Abort(list(req_ids)))
 
@@ -222,20 +240,22 @@ class AsyncEngine:
 
     def _publish(
         self,
-        results: list[tuple[_Add, list[QueuedRequest] | BaseException]],
+        results: list[tuple[_Add | _Call, Any]],
         items: list[tuple[OutputStream, RequestDelta | BaseException]],
         stats: EngineStats,
     ) -> None:
         """Runs on the loop: settle adds, hand out deltas, take the new stats."""
         self.stats = stats
-        for add, result in results:
-            if add.done.done():  # the caller was cancelled; its abort is already queued
+        for command, result in results:
+            if command.done.done():  # the caller was cancelled (an add's abort is queued)
                 continue
             if isinstance(result, BaseException):
-                add.done.set_exception(result)
+                command.done.set_exception(result)
+            elif isinstance(command, _Add):
+                command.stream._bind(result)
+                command.done.set_result(None)
             else:
-                add.stream._bind(result)
-                add.done.set_result(None)
+                command.done.set_result(result)
         for stream, item in items:
             stream._put(item)
 
@@ -274,7 +294,7 @@ class AsyncEngine:
                 command = self._commands.get(block=not self.engine.has_unfinished())
             except queue.Empty:
                 command = None
-            results: list[tuple[_Add, list[QueuedRequest] | BaseException]] = []
+            results: list[tuple[_Add | _Call, Any]] = []
             while command is not None:
                 if isinstance(command, _Stop):
                     self._fail_all(EngineError("the server is shutting down"))
@@ -289,7 +309,13 @@ class AsyncEngine:
             if self.engine.has_unfinished():
                 self._step()
 
-    def _apply(self, command: _Add | _Abort | _AbortStream, results: list) -> None:
+    def _apply(self, command: _Add | _Call | _Abort | _AbortStream, results: list) -> None:
+        if isinstance(command, _Call):
+            try:
+                results.append((command, command.fn(self.engine)))
+            except Exception as exc:
+                results.append((command, exc))
+            return
         if isinstance(command, _Abort | _AbortStream):
             if isinstance(command, _AbortStream):
                 req_ids = [r for r, s in self._streams.items() if s is command.stream]

@@ -36,12 +36,14 @@ def chat_response(job: Job, tokens: TokenText) -> ChatCompletionResponse:
 
 
 async def chat_chunks(
-    job: Job, tokens: TokenText, include_usage: bool
+    job: Job, tokens: TokenText, include_usage: bool, continuous_usage: bool = False
 ) -> AsyncIterator[ChatCompletionChunk]:
     """A role chunk per choice, content deltas, then per choice a chunk with its finish_reason
     that also carries `sampling` and that choice's `quality`; a usage chunk last if asked."""
 
     def chunk(choices: list[ChatChunkChoice], **extra: Any) -> ChatCompletionChunk:
+        if continuous_usage and choices:
+            extra.setdefault("usage", job.usage())
         return ChatCompletionChunk(choices=choices, **job.header(), **extra)
 
     for index in range(job.num_choices):

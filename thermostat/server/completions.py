@@ -65,12 +65,14 @@ def completion_response(job: Job, tokens: TokenText, echo: bool) -> CompletionRe
 
 
 async def completion_chunks(
-    job: Job, tokens: TokenText, echo: bool, include_usage: bool
+    job: Job, tokens: TokenText, echo: bool, include_usage: bool, continuous_usage: bool = False
 ) -> AsyncIterator[CompletionResponse]:
     """Text deltas per choice (the echoed prompt in a choice's first chunk); the chunk with a
     choice's finish_reason carries `sampling` and that choice's `quality`."""
 
     def chunk(choices: list[CompletionChoice], **extra: Any) -> CompletionResponse:
+        if continuous_usage and choices:
+            extra.setdefault("usage", job.usage())
         return CompletionResponse(choices=choices, **job.header(), **extra)
 
     offset = [0] * job.num_choices  # text_offset of the next token, per choice

@@ -29,6 +29,7 @@ def _omit_none(**kwargs: Any) -> Any:
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage on every chunk (with include_usage)
 
 
 class ContentPart(_Strict):
@@ -95,10 +96,15 @@ class DetokenizeRequest(_Strict):
 # ---- responses ----
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens served by the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ChatMessageOut(BaseModel):

@@ -54,8 +54,12 @@ def _sse(request: Request, chunks: AsyncIterator[BaseModel]) -> StreamingRespons
     )
 
 
-def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
-    return bool(body.stream_options and body.stream_options.include_usage)
+def _stream_usage(body: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
+    """(a usage chunk last, usage on every chunk): vLLM's continuous_usage_stats needs
+    include_usage too."""
+    options = body.stream_options
+    include = bool(options and options.include_usage)
+    return include, include and bool(options and options.continuous_usage_stats)
 
 
 @router.get("/health")
@@ -93,7 +97,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     prompt = state.prompts.chat(body.messages)
     job = await state.serving.submit("chat", body.model, [prompt], params)
     if body.stream:
-        return _sse(request, chat_chunks(job, state.tokens, _include_usage(body)))
+        return _sse(request, chat_chunks(job, state.tokens, *_stream_usage(body)))
     await job.collect(request)
     return _json(chat_response(job, state.tokens))
 
@@ -106,7 +110,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     job = await state.serving.submit("completions", body.model, prompts, params)
     echo = bool(body.echo)
     if body.stream:
-        return _sse(request, completion_chunks(job, state.tokens, echo, _include_usage(body)))
+        return _sse(request, completion_chunks(job, state.tokens, echo, *_stream_usage(body)))
     await job.collect(request)
     return _json(completion_response(job, state.tokens, echo))
 
@@ -135,6 +139,15 @@ async def sampling_explain(request: Request) -> dict[str, Any]:
     resolution = state.serving.explain(body.model, to_sampling_params(body))
     endpoint = "completions" if isinstance(body, CompletionRequest) else "chat"
     return {"model": state.defaults.model, "endpoint": endpoint, "sampling": resolution.to_dict()}
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request) -> dict[str, Any]:
+    """Forget every cached prefix block no request holds (vLLM's route, behind the API key), so
+    the next benchmark run computes its prompts in full."""
+    state = _state(request)
+    dropped = await state.engine.call(lambda engine: engine.blocks.reset_prefix_cache())
+    return {"reset": True, "blocks_dropped": dropped}
 
 
 @router.post("/tokenize")

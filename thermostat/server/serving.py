@@ -36,7 +36,7 @@ from thermostat.server.async_engine import AsyncEngine, GroupInput, OutputStream
 from thermostat.server.errors import APIError, classify
 from thermostat.server.metrics import Metrics
 from thermostat.server.prompts import Prompt
-from thermostat.server.protocol import Usage
+from thermostat.server.protocol import PromptTokensDetails, Usage
 
 request_log = logging.getLogger("thermostat.requests")
 T = TypeVar("T")
@@ -60,6 +60,7 @@ class Job:
     choices: dict[int, Completion] = field(default_factory=dict)  # by index, as deltas arrive
     quality: dict[int, dict[str, Any]] = field(default_factory=dict)  # of finished choices
     prompt_logprobs: dict[int, list[TokenLogprobs | None]] = field(default_factory=dict)
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # by choice, from its deltas
     first_token_s: float | None = None
     num_generated: int = 0  # tokens generated so far, over all choices (aborted ones included)
     _last_token: dict[int, float] = field(default_factory=dict)
@@ -81,10 +82,16 @@ class Job:
         return self.choices.setdefault(index, Completion())
 
     def usage(self) -> Usage:
+        """Tokens so far: each prompt once (and its prefix-cache hits, as its first sample
+        saw them), every choice's generated tokens."""
         prompt = sum(len(p.token_ids) for p in self.prompts)
-        completion = sum(len(c.token_ids) for c in self.choices.values() if c.finished)
+        completion = sum(len(c.token_ids) for c in self.choices.values())
+        cached = sum(self.cached_tokens.get(i * self.n, 0) for i in range(len(self.prompts)))
         return Usage(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
 
     def header(self) -> dict[str, Any]:
@@ -158,6 +165,7 @@ class Job:
         choice.add(delta)
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs[index] = delta.prompt_logprobs
+        self.cached_tokens[index] = delta.num_cached_tokens
         if delta.new_token_ids:
             self.num_generated += len(delta.new_token_ids)
             self.metrics.generation_tokens.inc(len(delta.new_token_ids))
