@@ -146,6 +146,8 @@ async def reset_prefix_cache(request: Request) -> dict[str, Any]:
     """Forget every cached prefix block no request holds (vLLM's route, behind the API key), so
     the next benchmark run computes its prompts in full."""
     state = _state(request)
+    if state.engine is None:
+        raise APIError(503, "the engine is not running", type="server_error", code="unavailable")
     dropped = await state.engine.call(lambda engine: engine.blocks.reset_prefix_cache())
     return {"reset": True, "blocks_dropped": dropped}
 
