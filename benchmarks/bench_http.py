@@ -6,11 +6,13 @@
 
 Without --model it writes a random-weight model shaped like SmolLM2-135M (bf16), as
 bench_engine.py does; `../shared/peers/` builds llama-server and converts its `small` model.
-Every load is 128-token prompts and 128 new tokens per request (`ignore_eos`), streamed, from
-the client of `thermostat bench`: concurrency C sends `max(C, 4)` requests (C at a time), and
-the offline engine gets C prompts at once through `LLM.generate` (batch C), each in its own
-process with 2 torch threads. Each repeat runs every contender once per concurrency in turn, so
-machine noise hits them alike; the table reports medians and the HTTP/offline ratio.
+Every load is 128 random prompt token ids and 128 new tokens per request (`ignore_eos`,
+greedy: the sampler's cost is not what is compared), streamed, every chunk parsed as a client
+would (as `../shared/peers/client_load.py` does): concurrency C sends `max(C, 4)` requests (C
+at a time), and the offline engine gets the same C prompts at once through `LLM.generate`
+(batch C), each in its own process with 2 torch threads. Each
+repeat runs every contender once per concurrency in turn, so machine noise hits them alike; the
+table reports medians and the HTTP/offline ratio.
 """
 
 from __future__ import annotations
@@ -29,29 +31,27 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 from rich.console import Console
 from rich.table import Table
 
-from thermostat.commands.bench import bench
-
 console = Console(stderr=True)
 REPO = Path(__file__).resolve().parent.parent
 
 OFFLINE = """
-import json, sys, time, torch
+import json, sys, time
+sys.path.insert(0, sys.argv[5])
+from bench_http import prompts
 from thermostat import LLM, SamplingParams
 model, batch, prompt_tokens, output_tokens = sys.argv[1], *map(int, sys.argv[2:5])
 llm = LLM(model, num_threads=2, max_num_seqs=max(batch, 1), enable_prefix_caching=False)
 params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
-gen = torch.Generator().manual_seed(batch)
-def prompts():
-    return torch.randint(100, llm.engine.loaded.arch.vocab_size, (batch, prompt_tokens),
-                         generator=gen).tolist()
-llm.generate(prompts()[:1], SamplingParams(max_tokens=4))  # warm-up
+vocab = llm.engine.loaded.arch.vocab_size
+llm.generate(prompts(1, prompt_tokens, vocab, 0), SamplingParams(max_tokens=4))  # warm-up
 start = time.perf_counter()
-outs = llm.generate(prompts(), params)
+outs = llm.generate(prompts(batch, prompt_tokens, vocab, batch), params)
 elapsed = time.perf_counter() - start
 print(json.dumps({"tok_s": sum(len(o.token_ids) for o in outs) / elapsed}))
 """
@@ -104,33 +104,65 @@ def serving(name: str, command: list[str], log_dir: Path) -> Iterator[str]:
         log.close()
 
 
-def http_load(url: str, concurrency: int, args: argparse.Namespace) -> float:
-    load = argparse.Namespace(
-        url=url,
-        model=None,
-        endpoint="completions",
-        num_requests=max(concurrency, 4),
-        concurrency=concurrency,
-        request_rate=None,
-        prompt_tokens=args.prompt_tokens,
-        output_tokens=args.output_tokens,
-        api_key=None,
-        timeout=300.0,
-        max_duration=600.0,
-        seed=concurrency,
-        json=True,
-    )
-    summary = asyncio.run(bench(load))
-    if summary["errors"]:
-        raise RuntimeError(f"{url}: {summary['error_examples']}")
-    return summary["output_tokens_per_s"]
+def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Random token ids: the same prompts for the offline engine and over HTTP."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab, (batch, length), generator=gen).tolist()
+
+
+async def stream_one(client: httpx.AsyncClient, body: dict[str, Any]) -> int:
+    """One streamed completion, every chunk parsed as a client would; its completion tokens."""
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data:") or line.endswith("[DONE]"):
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return tokens
+
+
+async def http_load_async(url: str, batch: list[list[int]], concurrency: int, args) -> float:
+    gate = asyncio.Semaphore(concurrency)
+    # a connection per request: llama-server closes a kept-alive one after a stream
+    limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+
+        async def one(prompt: list[int]) -> int:
+            body = {
+                "model": "model",
+                "prompt": prompt,
+                "max_tokens": args.output_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            async with gate:
+                return await stream_one(client, body)
+
+        start = time.perf_counter()
+        tokens = await asyncio.gather(*(one(p) for p in batch))
+        elapsed = time.perf_counter() - start
+    if sum(tokens) != len(batch) * args.output_tokens:
+        raise RuntimeError(f"{url}: {sum(tokens)} tokens generated, not {len(batch)} x 128")
+    return sum(tokens) / elapsed
+
+
+def http_load(url: str, concurrency: int, vocab: int, args: argparse.Namespace) -> float:
+    batch = prompts(max(concurrency, 4), args.prompt_tokens, vocab, seed=concurrency)
+    return asyncio.run(http_load_async(url, batch, concurrency, args))
 
 
 def offline(model: Path, batch: int, args: argparse.Namespace) -> float:
     env = dict(os.environ, OMP_NUM_THREADS="2")
     out = subprocess.run(
         [sys.executable, "-c", OFFLINE, str(model), str(batch), str(args.prompt_tokens),
-         str(args.output_tokens)],
+         str(args.output_tokens), str(Path(__file__).parent)],
         capture_output=True, text=True, env=env, timeout=900, check=True,
     )  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])["tok_s"]
@@ -162,9 +194,11 @@ def main() -> None:
     top = max(args.concurrency)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or random_model(Path(tmp))
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         thermostat = [
             sys.executable, "-m", "thermostat.cli", "serve", "--model", str(model),
-            "--port", "{PORT}", "--num-threads", "2", "--max-num-seqs", str(top),
+            "--port", "{PORT}", "--served-model-name", "model", "--num-threads", "2",
+            "--max-num-seqs", str(top),
             "--no-enable-prefix-caching",
         ]  # fmt: skip
         servers = {"thermostat (HTTP)": thermostat}
@@ -182,9 +216,9 @@ def main() -> None:
                 console.print(f"repeat {repeat} c={c} offline engine: {tok_s:.1f} tok/s")
             for name, command in servers.items():
                 with serving(name.split()[0], command, Path(tmp)) as url:
-                    http_load(url, 1, args)  # warm-up
+                    http_load(url, 1, vocab, args)  # warm-up
                     for c in args.concurrency:
-                        tok_s = http_load(url, c, args)
+                        tok_s = http_load(url, c, vocab, args)
                         runs.setdefault((name, c), []).append(tok_s)
                         console.print(f"repeat {repeat} c={c} {name}: {tok_s:.1f} tok/s")
     medians = {key: statistics.median(values) for key, values in runs.items()}

@@ -66,6 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument("--request-rate", type=float, help="Poisson arrivals per second")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        help="sent with every request (default: not sent, so the server's defaults apply)",
+    )
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--max-duration", type=float, default=600.0, help="seconds for the whole run")
@@ -106,6 +111,8 @@ def payload(args: argparse.Namespace, model: str, prompt: str) -> dict[str, Any]
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if args.temperature is not None:
+        body["temperature"] = args.temperature
     if args.endpoint == "chat":
         return body | {"messages": [{"role": "user", "content": prompt}]}
     return body | {"prompt": prompt}
