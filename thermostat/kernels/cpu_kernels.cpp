@@ -687,14 +687,18 @@ torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, int64_t N,
 
 }  // namespace
 
+// The kernels touch no Python object, so each releases the GIL while it runs (as ATen's own ops
+// do): the server's event loop thread writes responses while the engine thread computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim of [rows, dim]");
-  m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual)");
-  m.def("rotary_", &rotary_, "in-place rotary embedding (half-split layout)");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate_up projection");
-  m.def("write_kv", &write_kv, "store new tokens' K/V into their cache slots");
-  m.def("decode_attention", &decode_attention, "paged attention of one query token per sequence");
-  m.def("pack_vnni", &pack_vnni, "bf16 weight [N, K] -> the layout linear_vnni reads");
-  m.def("linear_vnni", &linear_vnni, "x W^T + b for a decode batch of bf16 rows");
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim of [rows, dim]", nogil);
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual)", nogil);
+  m.def("rotary_", &rotary_, "in-place rotary embedding (half-split layout)", nogil);
+  m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate_up projection", nogil);
+  m.def("write_kv", &write_kv, "store new tokens' K/V into their cache slots", nogil);
+  m.def("decode_attention", &decode_attention, "paged attention of one query token per sequence",
+        nogil);
+  m.def("pack_vnni", &pack_vnni, "bf16 weight [N, K] -> the layout linear_vnni reads", nogil);
+  m.def("linear_vnni", &linear_vnni, "x W^T + b for a decode batch of bf16 rows", nogil);
   m.def("vnni_max_rows", &vnni_max_rows, "rows linear_vnni takes here (32 with AMX, else 2)");
 }
