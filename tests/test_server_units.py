@@ -130,3 +130,14 @@ def test_serve_without_the_demo_model_says_so(tmp_path, monkeypatch, capsys):
     assert "bundled demo model not found" in capsys.readouterr().err
     assert main(["serve", "--model", str(tmp_path / "nope")]) == 2
     assert "model directory not found" in capsys.readouterr().err
+
+
+def test_json_depth_counts_brackets_outside_strings_only():
+    from thermostat.server.body_limits import json_depth_exceeds
+
+    nested = b'{"y": ' + b"[" * 70 + b"]" * 70 + b"}"
+    assert json_depth_exceeds(nested, 64) and not json_depth_exceeds(nested, 71)
+    assert json_depth_exceeds(b"[" * 100_000, 64)  # unclosed: refused before any parse
+    assert json_depth_exceeds(b'{"a":' * 100_000, 64)
+    in_strings = json.dumps({"x": ['\\"[[[[{{' * 50] * 100, "y": [[1]] * 100}).encode()
+    assert not json_depth_exceeds(in_strings, 64)  # escaped quotes do not end a string

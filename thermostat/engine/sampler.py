@@ -127,8 +127,8 @@ def sample_from_probs(
 
     Exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. selects token i with probability
     p_i / sum(p), exactly, and a tiny change of p (a batched vs a lone forward pass) almost never
-    changes the winner. E = -log1p(-U) from float64 uniforms U in [0, 1) (torch's own
-    `exponential_` draws the same distribution about 4x slower on a CPU). A row with its own
+    changes the winner. E = -log1p(-U) from float64 uniforms U in [0, 1) (the same
+    distribution as torch's `exponential_`, which is much slower on a CPU). A row with its own
     generator draws its V uniforms from it, row by row, so its draws do not depend on the rest
     of the batch; the other rows draw together from the default generator. Zero-weight tokens
     can never be chosen.

@@ -14,6 +14,7 @@ check parses the JSON once; malformed JSON is left to the route, which answers i
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -26,25 +27,24 @@ if TYPE_CHECKING:
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest a handful of levels (messages -> content parts)
 
 
+# A JSON string (skipped whole) or one bracket: the regex engine steps over string contents.
+_STRUCTURE = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
 def json_depth_exceeds(body: bytes, limit: int) -> bool:
     """True if the JSON text nests arrays/objects deeper than `limit` (brackets inside strings
-    are not counted). Linear in the body, no recursion."""
-    depth, in_string, escaped = 0, False, False
-    for byte in body:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:  # backslash
-                escaped = True
-            elif byte == 0x22:  # quote
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):  # [ {
+    are not counted). No recursion; a body with at most `limit` opening brackets in all is not
+    scanned at all."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    depth = 0
+    for match in _STRUCTURE.finditer(body):
+        token = match.group()
+        if token in (b"[", b"{"):
             depth += 1
             if depth > limit:
                 return True
-        elif byte in (0x5D, 0x7D):
+        elif token in (b"]", b"}"):
             depth -= 1
     return False
 

@@ -9,7 +9,8 @@ Before anything is rendered or tokenized: a chat role must be one of OpenAI's (t
 decides whether it accepts the conversation), and a text longer than the context could hold is
 refused. No token of the vocabulary is longer than `max_token_chars` characters, so a text of
 more than `max_model_len * max_token_chars` characters cannot fit: refusing it costs nothing,
-where tokenizing a megabyte would cost ~100 MB of memory that the allocator keeps.
+where tokenizing a megabyte of text raises the process's memory for good (the allocator keeps
+what the tokenizer took).
 """
 
 from __future__ import annotations
