@@ -24,7 +24,6 @@ from thermostat.engine.outputs import QueuedRequest, RequestDelta
 from thermostat.engine.request import Request
 from thermostat.engine.sampler import TokenLogprobs
 from thermostat.engine.scheduler import RunnerOutput, Scheduler, SchedulerConfig
-from thermostat.errors import InvalidRequest
 from thermostat.models.kv_cache import PagedKVCache, resolve_kv_dtype
 from thermostat.sampling.fanout import per_sample
 from thermostat.sampling.params import SamplingParamError, SamplingParams
@@ -149,13 +148,7 @@ class LLMEngine:
 
     def _add(self, item: QueuedRequest) -> None:
         eff = item.resolution.effective
-        prompt_ids = item.prompt_token_ids
-        if len(prompt_ids) + eff.max_tokens > self.max_model_len:
-            raise InvalidRequest(
-                "max_tokens",
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({eff.max_tokens}) exceeds the "
-                f"context length ({self.max_model_len})",
-            )
+        prompt_ids = item.prompt_token_ids  # fitted: prompt + max_tokens <= max_model_len
         stop_ids = set(eff.stop_token_ids)
         if not eff.ignore_eos:
             stop_ids.update(self.loaded.eos_token_ids)
