@@ -10,7 +10,9 @@ Every load is 128 random prompt token ids and 128 new tokens per request (`ignor
 greedy: the sampler's cost is not what is compared), streamed, every chunk parsed as a client
 would (as `../shared/peers/client_load.py` does): concurrency C sends `max(C, 4)` requests (C
 at a time), and the offline engine gets the same C prompts at once through `LLM.generate`
-(batch C), each in its own process with 2 torch threads. Each
+(batch C), each in its own process with 2 torch threads. Before each measured load every
+contender runs one unmeasured load of the same shape on other prompts, so one-time costs (first
+allocations, new matmul shapes, new connections) stay out of every figure alike. Each
 repeat runs every contender once per concurrency in turn, so machine noise hits them alike; the
 table reports medians and the HTTP/offline ratio.
 """
@@ -49,7 +51,7 @@ model, batch, prompt_tokens, output_tokens = sys.argv[1], *map(int, sys.argv[2:5
 llm = LLM(model, num_threads=2, max_num_seqs=max(batch, 1), enable_prefix_caching=False)
 params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
 vocab = llm.engine.loaded.arch.vocab_size
-llm.generate(prompts(1, prompt_tokens, vocab, 0), SamplingParams(max_tokens=4))  # warm-up
+llm.generate(prompts(batch, prompt_tokens, vocab, batch + 1000), params)  # warm-up, same shape
 start = time.perf_counter()
 outs = llm.generate(prompts(batch, prompt_tokens, vocab, batch), params)
 elapsed = time.perf_counter() - start
@@ -153,8 +155,11 @@ async def http_load_async(url: str, batch: list[list[int]], concurrency: int, ar
     return sum(tokens) / elapsed
 
 
-def http_load(url: str, concurrency: int, vocab: int, args: argparse.Namespace) -> float:
-    batch = prompts(max(concurrency, 4), args.prompt_tokens, vocab, seed=concurrency)
+def http_load(
+    url: str, concurrency: int, vocab: int, args: argparse.Namespace, seed: int | None = None
+) -> float:
+    size = max(concurrency, 4)
+    batch = prompts(size, args.prompt_tokens, vocab, concurrency if seed is None else seed)
     return asyncio.run(http_load_async(url, batch, concurrency, args))
 
 
@@ -216,8 +221,8 @@ def main() -> None:
                 console.print(f"repeat {repeat} c={c} offline engine: {tok_s:.1f} tok/s")
             for name, command in servers.items():
                 with serving(name.split()[0], command, Path(tmp)) as url:
-                    http_load(url, 1, vocab, args)  # warm-up
                     for c in args.concurrency:
+                        http_load(url, c, vocab, args, seed=c + 1000)  # warm-up, same shape
                         tok_s = http_load(url, c, vocab, args)
                         runs.setdefault((name, c), []).append(tok_s)
                         console.print(f"repeat {repeat} c={c} {name}: {tok_s:.1f} tok/s")
