@@ -20,7 +20,7 @@ from thermostat.engine.config import EngineConfig
 from thermostat.engine.loader import LoadedModel, load_model
 from thermostat.engine.model_runner import ModelRunner
 from thermostat.engine.output_text import OutputText
-from thermostat.engine.outputs import QueuedRequest, RequestDelta
+from thermostat.engine.outputs import Prefilled, QueuedRequest, RequestDelta
 from thermostat.engine.request import Request
 from thermostat.engine.sampler import TokenLogprobs
 from thermostat.engine.scheduler import RunnerOutput, Scheduler, SchedulerConfig
@@ -106,6 +106,9 @@ class LLMEngine:
         prompts: Sequence[str | Sequence[int]],
         params: SamplingParams,
         resolution: Resolution | None = None,
+        *,
+        handoff: bool = False,
+        preloads: Sequence[Prefilled | None] | None = None,
     ) -> list[QueuedRequest]:
         """Queue `len(prompts) * n` requests, all or none; return them in index order.
 
@@ -114,7 +117,14 @@ class LLMEngine:
         given) fitted to its prompt (`fit_to_context`: an omitted max_tokens is lowered to the
         room the context leaves, and the adjustment recorded), sample j of a seeded request on
         seed + j. Raises InvalidRequest (SamplingParamError, GreedyRejected) for what cannot be
-        served; nothing stays queued then."""
+        served; nothing stays queued then.
+
+        Disaggregation: with `handoff` every request computes its prompt, samples its first
+        token and ends with finish_reason "handoff", its last delta carrying that (`handoff`:
+        the prompt's rows, the token, the generator state). `preloads[index]` is such a handoff
+        from another engine for request `index`, which then continues from its first token as
+        if it had sampled it. Raises ValueError for rows that do not fit the prompt or the cache
+        (the caller checked the peer's model and cache spec)."""
         resolution = resolution or resolve(params, self.sampling_defaults)
         n = params.n or 1
         queued: list[QueuedRequest] = []
@@ -127,7 +137,8 @@ class LLMEngine:
                 for j, child in enumerate(per_sample(fitted, n)):
                     index = i * n + j
                     item = QueuedRequest(f"{group_id}-{index}", index, prompt_ids, child)
-                    self._add(item)
+                    preload = preloads[index] if preloads is not None else None
+                    self._add(item, handoff, preload)
                     queued.append(item)
         except BaseException:
             for item in queued:
@@ -146,8 +157,13 @@ class LLMEngine:
             raise SamplingParamError("stop_token_ids", f"token ids must be in [0, {vocab})")
         return prompt_ids
 
-    def _add(self, item: QueuedRequest) -> None:
+    def _add(self, item: QueuedRequest, handoff: bool, preload: Prefilled | None) -> None:
         eff = item.resolution.effective
+        if preload is not None:
+            expected = self.cache.expected_rows(len(item.prompt_token_ids))
+            got = {name: (tuple(t.shape), t.dtype) for name, t in preload.rows.tensors.items()}
+            if got != expected:
+                raise ValueError(f"KV rows {got} do not fit this prompt and cache ({expected})")
         prompt_ids = item.prompt_token_ids  # fitted: prompt + max_tokens <= max_model_len
         stop_ids = set(eff.stop_token_ids)
         if not eff.ignore_eos:
@@ -155,11 +171,21 @@ class LLMEngine:
         text = OutputText(
             self.tokenizer, prompt_ids, eff.skip_special_tokens, eff.stop, self.config.stop_on_loop
         )
-        req = Request(item.req_id, prompt_ids, eff, frozenset(stop_ids), text=text)
+        req = Request(
+            item.req_id,
+            prompt_ids,
+            eff,
+            frozenset(stop_ids),
+            text=text,
+            handoff=handoff,
+            preload=preload,
+        )
         self.scheduler.add(req)
         prompt_logprobs: list[TokenLogprobs | None] | None = (
             None if eff.prompt_logprobs is None else [None] * len(prompt_ids)
         )
+        if prompt_logprobs is not None and preload is not None and preload.prompt_logprobs:
+            prompt_logprobs = list(preload.prompt_logprobs)
         self._emitting[item.req_id] = _Emitting(req, text, prompt_logprobs)
 
     def abort(self, req_id: str) -> None:
@@ -179,7 +205,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestDelta]:
         """Run one scheduling step; return a delta for every request that generated tokens or
-        finished."""
+        finished. A handoff request's rows are read here, right after the update that freed its
+        blocks: nothing writes a freed block before the next step runs."""
         out = self.scheduler.schedule()
         result = self.runner.execute(out)
         progressed = self.scheduler.update(out, result)
@@ -214,4 +241,21 @@ class LLMEngine:
             stop_reason=req.stop_reason,
             prompt_logprobs=e.prompt_logprobs if first else None,
             num_cached_tokens=req.num_cached_tokens,
+            handoff=self._handoff(req, result, e.prompt_logprobs),
+        )
+
+    def _handoff(
+        self,
+        req: Request,
+        result: RunnerOutput,
+        prompt_logprobs: list[TokenLogprobs | None] | None,
+    ) -> Prefilled | None:
+        if req.finish_reason != "handoff" or req.handoff_slots is None:
+            return None
+        return Prefilled(
+            rows=self.cache.export(torch.tensor(req.handoff_slots, dtype=torch.int64)),
+            first_token=req.output_token_ids[0],
+            first_logprobs=result.logprobs.get(req.req_id),
+            generator_state=self.runner.generator_state(req.req_id),
+            prompt_logprobs=prompt_logprobs,
         )

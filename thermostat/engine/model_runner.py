@@ -9,6 +9,7 @@ import torch
 
 from thermostat.engine.sampler import SamplingBatch, TokenLogprobs, sample_batch
 from thermostat.engine.scheduler import (
+    KVPreload,
     NewRequestData,
     RunnerOutput,
     ScheduledChunk,
@@ -63,10 +64,13 @@ class ModelRunner:
             gen = None if seed is None else torch.Generator().manual_seed(seed)
             self.requests[data.req_id] = RunnerRequest(data, gen)
         result = RunnerOutput()
-        if not out.chunks:
+        for preload in out.preloads:
+            self._preload(preload, result)
+        # Decodes (one token) first, batched; then prefill chunks. A preloaded request's chunk
+        # has no tokens: its first token came with its rows.
+        chunks = sorted((c for c in out.chunks if c.token_ids), key=lambda c: len(c.token_ids) != 1)
+        if not chunks:
             return result
-        # Decodes (one token) first, batched; then prefill chunks.
-        chunks = sorted(out.chunks, key=lambda c: len(c.token_ids) != 1)
         input_ids, positions, meta = self._prepare(chunks)
         hidden = self.model(input_ids, positions, meta, self.cache)
 
@@ -91,6 +95,24 @@ class ModelRunner:
                 )
             offset += n
         return result
+
+    def _preload(self, preload: KVPreload, result: RunnerOutput) -> None:
+        """Another engine's prefill: its rows into this cache, its first token as this step's
+        sample, its generator where that token left it."""
+        prefilled = preload.prefilled
+        self.cache.load(torch.tensor(preload.slots, dtype=torch.int64), prefilled.rows)
+        req = self.requests[preload.req_id]
+        if req.generator is not None and prefilled.generator_state is not None:
+            req.generator.set_state(prefilled.generator_state)
+        req.output_token_ids.append(prefilled.first_token)
+        result.sampled[preload.req_id] = prefilled.first_token
+        if prefilled.first_logprobs is not None:
+            result.logprobs[preload.req_id] = prefilled.first_logprobs
+
+    def generator_state(self, req_id: str) -> torch.Tensor | None:
+        """A request's seeded generator state (None if unseeded), until its finish is seen."""
+        req = self.requests.get(req_id)
+        return None if req is None or req.generator is None else req.generator.get_state()
 
     def _prompt_logprobs(
         self, chunk: ScheduledChunk, hidden: torch.Tensor, k: int

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from thermostat.engine.sampler import TokenLogprobs
+from thermostat.models.kv_cache import KVRows
 from thermostat.sampling.resolve import Resolution
 
 
@@ -20,6 +23,19 @@ class QueuedRequest:
 
 
 @dataclass(frozen=True)
+class Prefilled:
+    """A request's prompt computed and its first token sampled by one engine, for another to
+    continue from (prefill/decode disaggregation): what a handoff request's last delta carries
+    and what `LLMEngine.add_group(preloads=...)` takes."""
+
+    rows: KVRows  # every prompt token's cache rows, as stored
+    first_token: int
+    first_logprobs: TokenLogprobs | None  # when logprobs were asked for
+    generator_state: torch.Tensor | None  # the seeded generator after the first token
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # when asked for; [0] is None
+
+
+@dataclass(frozen=True)
 class RequestDelta:
     """What one step did for one request. Emitted when it generated tokens or finished; the
     engine keeps no reference to it."""
@@ -28,10 +44,11 @@ class RequestDelta:
     new_token_ids: list[int]  # a stop token that ended the request included
     new_text: str  # text released by this step (a stop string never is)
     new_logprobs: list[TokenLogprobs] | None  # one per new token; None unless asked for
-    finish_reason: str | None = None  # "stop" | "length" on the request's last delta
+    finish_reason: str | None = None  # "stop" | "length" | "handoff" on the request's last delta
     stop_reason: str | int | None = None  # the stop string, stop token id or "loop" that ended it
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # first delta only; [0] is None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    handoff: Prefilled | None = None  # a handoff request's last delta: what it hands over
 
     @property
     def finished(self) -> bool:

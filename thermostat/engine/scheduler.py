@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from thermostat.engine.block_manager import BlockManager
+from thermostat.engine.outputs import Prefilled
 from thermostat.engine.request import Request, RequestStatus
 from thermostat.engine.sampler import TokenLogprobs
 from thermostat.errors import InvalidRequest
@@ -48,9 +49,20 @@ class ScheduledChunk:
 
 
 @dataclass
+class KVPreload:
+    """Another engine's prefill of a request admitted this step: the runner writes its rows into
+    the request's first slots and takes its first token as this step's sample."""
+
+    req_id: str
+    slots: list[int]
+    prefilled: Prefilled
+
+
+@dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
+    preloads: list[KVPreload] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # the runner may drop their state
 
     @property
@@ -140,14 +152,19 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
-            hits = self._prefix_hits(req)
-            computed = len(hits) * self.block_size
+            hits = [] if req.preload is not None else self._prefix_hits(req)
+            cached = len(hits) * self.block_size
+            computed = req.num_prompt_tokens if req.preload is not None else cached
             n = min(req.num_tokens - computed, budget)
             if not self.blocks.allocate(req.req_id, computed + n, hits):
                 break
             self.waiting.popleft()
+            if req.preload is not None:
+                slots = self.slots(req.req_id, computed)
+                out.preloads.append(KVPreload(req.req_id, slots, req.preload))
+                req.preload = None
             if req.num_preemptions == 0:
-                req.num_cached_tokens = computed
+                req.num_cached_tokens = cached
             req.num_computed_tokens = computed
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -177,6 +194,11 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def slots(self, req_id: str, num_tokens: int) -> list[int]:
+        """The cache slots of a request's positions [0, num_tokens)."""
+        table, bs = self.blocks.block_table(req_id), self.block_size
+        return [table[pos // bs] * bs + pos % bs for pos in range(num_tokens)]
 
     def _prefix_hits(self, req: Request) -> list[int]:
         """Cached blocks for the request's leading full blocks. At least one token is always
@@ -212,7 +234,11 @@ class Scheduler:
             token = result.sampled.get(req.req_id)
             if token is not None:
                 req.output_token_ids.append(token)
-                ending = self._ending(req, token)
+                if req.handoff:  # its blocks are read before the next step (LLMEngine.step)
+                    req.handoff_slots = self.slots(req.req_id, req.num_prompt_tokens)
+                    ending = ("handoff", None)
+                else:
+                    ending = self._ending(req, token)
             elif not chunk.sample and req.num_behind == 0:
                 ending = ("length", None)  # max_tokens == 0: prompt only (echo with logprobs)
             if self.config.enable_prefix_caching:

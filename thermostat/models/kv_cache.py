@@ -20,6 +20,10 @@ quantization error never depends on other tokens; reads dequantize what they gat
 
 How the cache is written and how decode attention reads a key/value layout depend on how it is
 stored, so both paths are chosen once here, when the cache is built (see thermostat.kernels).
+
+`export` and `load` move one sequence's rows between caches of one spec (prefill/decode
+disaggregation) as stored: fp8 rows travel as their bytes with their scales, so the copy is
+bit-exact whatever the block sizes of the two caches.
 """
 
 from __future__ import annotations
@@ -130,6 +134,33 @@ class KVCacheSpec:
     def num_blocks_for(self, memory_bytes: int) -> int:
         return max(memory_bytes // self.bytes_per_block, 1)
 
+    def describe(self) -> dict[str, object]:
+        """What a token's rows are, independent of the block size: two caches whose
+        descriptions are equal can exchange rows (`PagedKVCache.export` / `load`)."""
+        return {
+            "num_layers": self.num_layers,
+            "components": [
+                {"name": c.name, "shape": list(c.per_token_shape), "dtype": str(c.dtype)}
+                for c in self.components
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class KVRows:
+    """Tokens [0, num_tokens) of one sequence in every layer, as a cache stores them.
+
+    tensors: per component `name` -> [num_layers, num_tokens, *per_token_shape] in the storage
+    dtype (fp8 as uint8), and for fp8 `name.scale` -> [num_layers, num_tokens, *shape[:-1], 1]
+    float32."""
+
+    num_tokens: int
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
 
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     if name not in KV_CACHE_DTYPES:
@@ -205,6 +236,45 @@ class PagedKVCache:
             self._read(self.store[c.name][layer], self.scales[c.name][layer], block_tables)
             for c in self.spec.components
         )
+
+    def export(self, slots: torch.Tensor) -> KVRows:
+        """The rows of the token slots `slots` [T] int64 (a sequence's positions 0..T-1), every
+        layer and component, copied out as stored."""
+        tensors: dict[str, torch.Tensor] = {}
+        for c in self.spec.components:
+            layers = range(self.spec.num_layers)
+            tensors[c.name] = torch.stack(
+                [_slots(self.store[c.name][i]).index_select(0, slots) for i in layers]
+            )
+            if c.quantized:
+                tensors[f"{c.name}.scale"] = torch.stack(
+                    [_slots(self.scales[c.name][i]).index_select(0, slots) for i in layers]
+                )
+        return KVRows(len(slots), tensors)
+
+    def load(self, slots: torch.Tensor, rows: KVRows) -> None:
+        """Write `rows` (exported from a cache of an equal spec description) into `slots` [T].
+        Raises ValueError if their shapes or dtypes are not this cache's."""
+        expected = self.expected_rows(len(slots))
+        got = {name: (tuple(t.shape), t.dtype) for name, t in rows.tensors.items()}
+        if rows.num_tokens != len(slots) or got != expected:
+            raise ValueError(f"KV rows {got} do not fit this cache ({expected})")
+        for c in self.spec.components:
+            for i in range(self.spec.num_layers):
+                _slots(self.store[c.name][i]).index_copy_(0, slots, rows.tensors[c.name][i])
+                if c.quantized:
+                    scale = rows.tensors[f"{c.name}.scale"][i]
+                    _slots(self.scales[c.name][i]).index_copy_(0, slots, scale)
+
+    def expected_rows(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of each tensor of a `KVRows` of `num_tokens` tokens for this cache."""
+        expected: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for c in self.spec.components:
+            shape = (self.spec.num_layers, num_tokens, *c.per_token_shape)
+            expected[c.name] = (shape, self.store[c.name][0].dtype)
+            if c.quantized:
+                expected[f"{c.name}.scale"] = ((*shape[:-1], 1), torch.float32)
+        return expected
 
     def _write_compiled(
         self, layer: int, values: tuple[torch.Tensor, ...], slots: torch.Tensor
