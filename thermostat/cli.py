@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "analyze": "thermostat.quality.cli",
     "bench": "thermostat.commands.bench",
     "pd": "thermostat.disagg.launcher",
+    "systemd": "thermostat.systemd",
 }
 
 
