@@ -4,7 +4,7 @@ A subcommand module exposes `HELP` (one line), `EPILOG` (examples), `add_argumen
 `run(args) -> int`; registering it is one line in COMMANDS. Exit status: 0 success, 1 a failure
 or finding at run time, 2 bad usage or configuration.
 
-Planned: router, gateway.
+Planned: gateway.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ COMMANDS: dict[str, str] = {
     "set-defaults": "thermostat.commands.set_defaults",
     "analyze": "thermostat.quality.cli",
     "bench": "thermostat.commands.bench",
+    "pd": "thermostat.disagg.launcher",
+    "systemd": "thermostat.systemd",
 }
 
 

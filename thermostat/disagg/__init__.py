@@ -1,6 +1,11 @@
-"""Prefill/decode disaggregation: moving a prompt's KV cache rows from a prefill server to a
-decode server.
+"""Prefill/decode disaggregation: a prefill server hands each prompt's KV cache rows and first
+token to the decode server that continues it, behind SGLang's router (smg).
 
 - `wire`: the framed binary protocol (frames, tensor packing) over asyncio streams.
 - `bootstrap`: the prefill side's room table and bootstrap server, and the decode side's `claim`.
+- `handoff`: what one choice's handoff carries, and the check that both halves agree.
+- `router`: the `smg launch` command line, set to fail fast.
+- `launcher`: `thermostat pd`, prefill + decode + smg on one host.
+
+The server side of the two roles is `thermostat.server.disaggregation`.
 """
