@@ -25,9 +25,9 @@ from thermostat.engine.request import Request
 from thermostat.engine.sampler import TokenLogprobs
 from thermostat.engine.scheduler import RunnerOutput, Scheduler, SchedulerConfig
 from thermostat.models.kv_cache import PagedKVCache, resolve_kv_dtype
-from thermostat.sampling.fanout import per_sample
+from thermostat.sampling.fanout import choice_resolutions
 from thermostat.sampling.params import SamplingParamError, SamplingParams
-from thermostat.sampling.resolve import Resolution, SamplingDefaults, fit_to_context, resolve
+from thermostat.sampling.resolve import Resolution, SamplingDefaults, resolve
 
 log = logging.getLogger("thermostat.engine")
 
@@ -127,19 +127,20 @@ class LLMEngine:
         (the caller checked the peer's model and cache spec)."""
         resolution = resolution or resolve(params, self.sampling_defaults)
         n = params.n or 1
+        prompt_ids = [self._checked_prompt(p, resolution) for p in prompts]
+        choices = choice_resolutions(
+            resolution,
+            params.max_tokens is not None,
+            [len(p) for p in prompt_ids],
+            self.max_model_len,
+            n,
+        )
         queued: list[QueuedRequest] = []
         try:
-            for i, prompt in enumerate(prompts):
-                prompt_ids = self._checked_prompt(prompt, resolution)
-                fitted = fit_to_context(
-                    resolution, params.max_tokens is not None, len(prompt_ids), self.max_model_len
-                )
-                for j, child in enumerate(per_sample(fitted, n)):
-                    index = i * n + j
-                    item = QueuedRequest(f"{group_id}-{index}", index, prompt_ids, child)
-                    preload = preloads[index] if preloads is not None else None
-                    self._add(item, handoff, preload)
-                    queued.append(item)
+            for index, choice in enumerate(choices):
+                item = QueuedRequest(f"{group_id}-{index}", index, prompt_ids[index // n], choice)
+                self._add(item, handoff, preloads[index] if preloads is not None else None)
+                queued.append(item)
         except BaseException:
             for item in queued:
                 self.abort(item.req_id)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from thermostat.engine.llm_engine import LLMEngine
-from thermostat.engine.outputs import QueuedRequest, RequestDelta
+from thermostat.engine.outputs import Prefilled, QueuedRequest, RequestDelta
 from thermostat.sampling import Resolution, SamplingParams
 from thermostat.server.errors import EngineError
 
@@ -53,6 +53,8 @@ class GroupInput:
     prompts: list[list[int]]  # token ids
     params: SamplingParams
     resolution: Resolution
+    handoff: bool = False  # prefill role: compute, sample the first token, hand over
+    preloads: list[Prefilled] | None = None  # decode role: a prefill's handoff per choice
 
 
 @dataclass(frozen=True)
@@ -328,7 +330,12 @@ class AsyncEngine:
         group = command.group
         try:
             queued = self.engine.add_group(
-                group.group_id, group.prompts, group.params, group.resolution
+                group.group_id,
+                group.prompts,
+                group.params,
+                group.resolution,
+                handoff=group.handoff,
+                preloads=group.preloads,
             )
         except Exception as exc:  # refused: the engine keeps nothing of the group
             results.append((command, exc))

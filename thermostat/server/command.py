@@ -25,6 +25,9 @@ EPILOG = """examples:
   thermostat serve --model DIR --sampling-defaults temperature=0.6,top_p=0.95
   thermostat serve --model DIR --sampling-defaults defaults.json --min-temperature 0.3
   thermostat serve --model DIR --greedy reject --max-queue 64 --api-key "$KEY"
+  thermostat serve --model DIR --port 30001 --disaggregation-mode prefill \
+      --disaggregation-bootstrap-port 8998             # behind smg, with a decode server
+  thermostat serve --model DIR --port 30002 --disaggregation-mode decode
 
   curl localhost:8000/v1/sampling/defaults           # what a request that omits fields gets
 
@@ -105,6 +108,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="request bodies larger than this get a 413 before they are read",
     )
 
+    d = p.add_argument_group("disaggregation (behind SGLang's router, smg --pd-disaggregation)")
+    d.add_argument(
+        "--disaggregation-mode",
+        choices=["prefill", "decode"],
+        help="serve one half of each request: prefill hands the prompt's KV and first token "
+        "to the decode that claims it; decode continues from there and answers the client",
+    )
+    d.add_argument(
+        "--disaggregation-bootstrap-port",
+        type=int,
+        default=8998,
+        metavar="N",
+        help="prefill: the TCP port decodes claim KV from (the port given to smg --prefill)",
+    )
+    d.add_argument(
+        "--disaggregation-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="decode: how long to wait for a prefill's KV; prefill: how long to keep it",
+    )
+
 
 def config_from(args: argparse.Namespace) -> ServerConfig:
     """Raises ValueError (SpecError and SamplingParamError among them) naming the bad flag."""
@@ -131,6 +156,9 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key,
         drain_timeout_s=args.drain_timeout,
         max_body_bytes=int(args.max_body_mb * 2**20),
+        disaggregation_mode=args.disaggregation_mode,
+        bootstrap_port=args.disaggregation_bootstrap_port,
+        disaggregation_timeout_s=args.disaggregation_timeout,
     )
 
 

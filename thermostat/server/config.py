@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from thermostat.engine.config import EngineConfig
 from thermostat.sampling import Policy
@@ -25,6 +25,10 @@ class ServerConfig:
     drain_timeout_s: float = 60.0  # on SIGTERM, how long in-flight requests may finish
     retry_after_s: int = 1  # the Retry-After of a queue-full 503
     max_body_bytes: int = 16 * 2**20  # larger request bodies get a 413 before they are read
+    # Prefill/decode disaggregation (SGLang's flag names): None serves whole requests.
+    disaggregation_mode: Literal["prefill", "decode"] | None = None
+    bootstrap_port: int = 8998  # prefill: where decodes claim their KV (SGLang's default)
+    disaggregation_timeout_s: float = 60.0  # decode: wait for a room; prefill: keep one
 
     def __post_init__(self) -> None:
         if self.max_queue is not None and self.max_queue < 1:
@@ -35,3 +39,7 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.bootstrap_port <= 65535:
+            raise ValueError(f"bootstrap port must be in [0, 65535], got {self.bootstrap_port}")
+        if self.disaggregation_timeout_s <= 0:
+            raise ValueError("disaggregation timeout must be positive")

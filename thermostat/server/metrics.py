@@ -91,7 +91,24 @@ class Metrics:
             ["reason"],
             registry=r,
         )
-
+        self.handoffs = Counter(
+            "thermostat_disagg_handoffs",
+            "Prefill/decode handoffs by role and outcome (ok, or the error code)",
+            ["role", "outcome"],
+            registry=r,
+        )
+        self.handoff_bytes = Counter(
+            "thermostat_disagg_handoff_bytes", "KV bytes handed over, by role", ["role"], registry=r
+        )
+        self.handoff_wait = Histogram(
+            "thermostat_disagg_handoff_wait_seconds",
+            "Decode: request arrival to its prefill's KV in hand",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rooms_parked = Gauge(
+            "thermostat_disagg_rooms_parked", "Prefill: handoffs waiting for a decode", registry=r
+        )
         self.server_errors = Counter(
             "thermostat_server_errors",
             "Requests answered with a server fault (5xx or an in-stream error), by code",

@@ -5,7 +5,8 @@
 | /health                                    | open     | answers 503 itself       |
 | /metrics                                   | open     | served                   |
 | /v1/*, /tokenize, /detokenize              | required | 503                      |
-| /reset_prefix_cache                        | required | 503                      |
+| /reset_prefix_cache, /flush_cache          | required | 503                      |
+| /server_info, /model_info, /get_load, ...  | open     | 503                      |
 
 A request admitted before draining began runs to the end: the drain waits for it.
 """
@@ -22,7 +23,7 @@ from thermostat.server.errors import APIError, error_response
 if TYPE_CHECKING:
     from thermostat.server.state import ServerState
 
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache")
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache", "/flush_cache")
 ALWAYS_SERVED = ("/health", "/metrics")
 
 

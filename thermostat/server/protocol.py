@@ -64,6 +64,10 @@ else:
         stream=(bool | None, None),
         stream_options=(StreamOptions | None, None),
         user=(str | None, None),
+        # SGLang's router adds these for prefill/decode disaggregation (lists: one per choice)
+        bootstrap_host=(str | list[str] | None, None),
+        bootstrap_port=(int | list[int] | None, None),
+        bootstrap_room=(int | list[int] | None, None),
     )
 
 

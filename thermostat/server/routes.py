@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from importlib.metadata import version
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -14,9 +15,18 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 from thermostat.errors import InvalidRequest
+from thermostat.sampling import SamplingParams
 from thermostat.server.chat import chat_chunks, chat_response
 from thermostat.server.completions import completion_chunks, completion_response
-from thermostat.server.errors import APIError, count_server_error, error_body, validation_error
+from thermostat.server.disaggregation import PrefillRole, Rooms
+from thermostat.server.errors import (
+    APIError,
+    classify,
+    count_server_error,
+    error_body,
+    validation_error,
+)
+from thermostat.server.prompts import Prompt
 from thermostat.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -24,6 +34,7 @@ from thermostat.server.protocol import (
     TokenizeRequest,
 )
 from thermostat.server.request_params import parse_body, to_sampling_params
+from thermostat.server.serving import Job
 from thermostat.server.state import ServerState
 
 router = APIRouter()
@@ -90,12 +101,56 @@ async def models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [card]}
 
 
+async def _submit(
+    request: Request,
+    endpoint: str,
+    body: ChatCompletionRequest | CompletionRequest,
+    prompts: list[Prompt],
+    params: SamplingParams,
+) -> Job | Response:
+    """Queue the request as this server's role takes it: whole, or the prefill half (answered
+    here, once handed off), or the decode half (once its prefill's KV is in hand)."""
+    state = _state(request)
+    role = state.role
+    if role is None:
+        return await state.serving.submit(endpoint, body.model, prompts, params)
+    rooms = Rooms.of(body)
+    if params.max_tokens == 0:
+        raise APIError(400, "a disaggregated request must generate", param="max_tokens")
+    if isinstance(role, PrefillRole):
+        try:
+            job = await state.serving.submit(endpoint, body.model, prompts, params, handoff=True)
+        except APIError as err:
+            choices = len(prompts) * (params.n or 1)
+            role.fail(rooms, choices, "prefill_refused", f"{err.status}: {err.info.message}")
+            raise
+        return JSONResponse(await role.serve(job, rooms, request))
+    try:
+        resolution = state.serving.explain(body.model, params)
+    except Exception as exc:
+        raise classify(exc) from exc
+    preloads, extra = await role.fetch(
+        rooms,
+        prompts,
+        resolution,
+        params.max_tokens is not None,
+        params.n or 1,
+        state.max_model_len,
+        request,
+    )
+    return await state.serving.submit(
+        endpoint, body.model, prompts, params, preloads=preloads, sampling_extra=extra
+    )
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = _state(request)
     params = to_sampling_params(body)
     prompt = state.prompts.chat(body.messages)
-    job = await state.serving.submit("chat", body.model, [prompt], params)
+    job = await _submit(request, "chat", body, [prompt], params)
+    if isinstance(job, Response):
+        return job
     if body.stream:
         return _sse(request, chat_chunks(job, state.tokens, *_stream_usage(body)))
     await job.collect(request)
@@ -107,7 +162,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     state = _state(request)
     params = to_sampling_params(body)
     prompts = state.prompts.completion(body.prompt)
-    job = await state.serving.submit("completions", body.model, prompts, params)
+    job = await _submit(request, "completions", body, prompts, params)
+    if isinstance(job, Response):
+        return job
     echo = bool(body.echo)
     if body.stream:
         return _sse(request, completion_chunks(job, state.tokens, echo, *_stream_usage(body)))
@@ -150,6 +207,70 @@ async def reset_prefix_cache(request: Request) -> dict[str, Any]:
         raise APIError(503, "the engine is not running", type="server_error", code="unavailable")
     dropped = await state.engine.call(lambda engine: engine.blocks.reset_prefix_cache())
     return {"reset": True, "blocks_dropped": dropped}
+
+
+# ---- the worker contract of SGLang's router (smg): registration, load, cache ----
+# smg takes a worker that serves /server_info and no /version for an SGLang one, which is the
+# PD protocol Thermostat speaks (same body to both halves, bootstrap fields added).
+
+
+@router.get("/server_info")
+@router.get("/get_server_info")
+async def server_info(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    cfg = state.config
+    return {
+        "server": "thermostat",
+        "version": version("thermostat"),
+        "model_path": str(state.model_dir),
+        "served_model_name": state.defaults.model,
+        "max_running_requests": cfg.engine.max_num_seqs,
+        "max_num_seqs": cfg.engine.max_num_seqs,
+        "max_model_len": state.max_model_len,
+        "kv_cache_dtype": cfg.engine.kv_cache_dtype,
+        "disaggregation_mode": cfg.disaggregation_mode or "null",
+        "disaggregation_bootstrap_port": cfg.bootstrap_port,
+        "sampling_defaults": state.defaults.to_dict(),
+    }
+
+
+@router.get("/model_info")
+@router.get("/get_model_info")
+async def model_info(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    return {
+        "model_path": str(state.model_dir),
+        "tokenizer_path": str(state.model_dir),
+        "served_model_name": state.defaults.model,
+        "is_generation": True,
+        "model_type": state.model_config.get("model_type"),
+        "architectures": state.model_config.get("architectures"),
+    }
+
+
+@router.get("/get_load")
+async def get_load(request: Request) -> list[dict[str, int]]:
+    """SGLang's load report (smg's power_of_two policy reads it): one data-parallel rank."""
+    state = _state(request)
+    stats = state.engine.stats if state.engine else None
+    if stats is None:
+        return [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+    used = (stats.num_blocks - stats.num_free_blocks) * state.config.engine.block_size
+    return [
+        {
+            "dp_rank": 0,
+            "num_reqs": stats.num_running + stats.num_waiting,
+            "num_waiting_reqs": stats.num_waiting,
+            "num_tokens": used,
+        }
+    ]
+
+
+@router.post("/flush_cache")
+async def flush_cache(request: Request) -> dict[str, Any]:
+    """SGLang's name for /reset_prefix_cache."""
+    result = await reset_prefix_cache(request)
+    return {"flushed": True, "blocks_dropped": result["blocks_dropped"]}
 
 
 @router.post("/tokenize")

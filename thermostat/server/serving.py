@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from thermostat.engine.outputs import Completion, RequestDelta
+from thermostat.engine.outputs import Completion, Prefilled, RequestDelta
 from thermostat.engine.sampler import TokenLogprobs
 from thermostat.quality import quality_report
 from thermostat.sampling import (
@@ -61,6 +61,8 @@ class Job:
     quality: dict[int, dict[str, Any]] = field(default_factory=dict)  # of finished choices
     prompt_logprobs: dict[int, list[TokenLogprobs | None]] = field(default_factory=dict)
     cached_tokens: dict[int, int] = field(default_factory=dict)  # by choice, from its deltas
+    handoffs: dict[int, Prefilled] = field(default_factory=dict)  # prefill role, by choice
+    sampling_extra: dict[str, Any] = field(default_factory=dict)  # added to every `sampling`
     first_token_s: float | None = None
     num_generated: int = 0  # tokens generated so far, over all choices (aborted ones included)
     _last_token: dict[int, float] = field(default_factory=dict)
@@ -77,6 +79,10 @@ class Job:
         """What choice `index` runs with (each prompt's max_tokens fitted to its length, sample
         j of a seeded request on seed + j); choice 0's is the response's `sampling`."""
         return self.stream.queued[index].resolution
+
+    def sampling(self, index: int = 0) -> dict[str, Any]:
+        """The `sampling` object of choice `index` (choice 0's is the response's)."""
+        return self.resolution(index).to_dict() | self.sampling_extra
 
     def choice(self, index: int) -> Completion:
         return self.choices.setdefault(index, Completion())
@@ -110,18 +116,18 @@ class Job:
     def choice_sampling(self, index: int) -> dict[str, Any] | None:
         """A whole response's choice carries its own `sampling` where it differs from the
         response's (another prompt's fitted max_tokens, a seeded sample's seed)."""
-        own = self.resolution(index).to_dict()
-        return None if own == self.resolution().to_dict() else own
+        own = self.sampling(index)
+        return None if own == self.sampling() else own
 
     def last_chunk_fields(self, index: int) -> dict[str, Any]:
         """What the chunk that finishes choice `index` carries besides the choice."""
-        return {"sampling": self.resolution(index).to_dict(), "quality": self.quality[index]}
+        return {"sampling": self.sampling(index), "quality": self.quality[index]}
 
     def final_fields(self) -> dict[str, Any]:
         """The header plus what a whole (non-streamed) response adds: usage, sampling, quality."""
         return self.header() | {
             "usage": self.usage(),
-            "sampling": self.resolution().to_dict(),
+            "sampling": self.sampling(),
             "quality": self.response_quality(),
         }
 
@@ -166,6 +172,8 @@ class Job:
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs[index] = delta.prompt_logprobs
         self.cached_tokens[index] = delta.num_cached_tokens
+        if delta.handoff is not None:
+            self.handoffs[index] = delta.handoff
         if delta.new_token_ids:
             self.num_generated += len(delta.new_token_ids)
             self.metrics.generation_tokens.inc(len(delta.new_token_ids))
@@ -188,7 +196,7 @@ class Job:
         if self._logged:
             return
         self._logged = True
-        sampling = self.resolution().to_dict() if self.stream.queued else {}
+        sampling = self.sampling() if self.stream.queued else {}
         usage = self.usage()
         line = {
             "id": self.id,
@@ -266,10 +274,19 @@ class Serving:
         return resolve(params, self.defaults)
 
     async def submit(
-        self, endpoint: str, model: str | None, prompts: list[Prompt], params: SamplingParams
+        self,
+        endpoint: str,
+        model: str | None,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        *,
+        handoff: bool = False,
+        preloads: list[Prefilled] | None = None,
+        sampling_extra: dict[str, Any] | None = None,
     ) -> Job:
         """Resolve and queue; raises APIError (4xx for bad input, 503 when the queue is full)
-        before anything is sent to the client."""
+        before anything is sent to the client. `handoff` and `preloads`: the prefill and
+        decode roles (LLMEngine.add_group); `sampling_extra` joins every `sampling` object."""
         arrival = time.monotonic()
         self.check_model(model)
         if self.max_queue is not None and self.engine.num_waiting >= self.max_queue:
@@ -284,7 +301,9 @@ class Serving:
         job_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
             resolution = resolve(params, self.defaults)
-            group = GroupInput(job_id, [p.token_ids for p in prompts], params, resolution)
+            group = GroupInput(
+                job_id, [p.token_ids for p in prompts], params, resolution, handoff, preloads
+            )
             stream = await self.engine.add(group)
         except Exception as exc:  # refusals become 4xx; an engine that is down, a 500
             if isinstance(exc, GreedyRejected):
@@ -293,5 +312,6 @@ class Serving:
         job = Job(
             job_id, endpoint, self.model, prompts, params.n or 1, stream, self.metrics, arrival
         )
+        job.sampling_extra = sampling_extra or {}
         self.metrics.on_admitted(job.resolution(), sum(len(p.token_ids) for p in prompts))
         return job

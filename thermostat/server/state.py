@@ -4,7 +4,8 @@
         └──(load failed)──► failed
 
 The model loads on the engine thread after the app starts, so /health answers 503 while it does.
-The readiness log line is written once the model is loaded AND the socket is listening.
+The readiness log line is written once the model is loaded AND the socket is listening (and a
+prefill's bootstrap port too); under systemd (Type=notify) READY=1 is sent then.
 """
 
 from __future__ import annotations
@@ -17,15 +18,18 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Literal
 
+from thermostat.disagg.handoff import model_identity
 from thermostat.engine.llm_engine import LLMEngine
 from thermostat.engine.loader import load_model
 from thermostat.server.async_engine import AsyncEngine
 from thermostat.server.config import ServerConfig
 from thermostat.server.defaults import ServerDefaults
+from thermostat.server.disaggregation import DecodeRole, PrefillRole
 from thermostat.server.logprobs import TokenText
 from thermostat.server.metrics import Metrics
 from thermostat.server.prompts import PromptBuilder
 from thermostat.server.serving import Serving
+from thermostat.systemd import notify
 
 log = logging.getLogger("thermostat.server")
 
@@ -52,6 +56,8 @@ class ServerState:
         self.prompts: PromptBuilder
         self.tokens: TokenText
         self.max_model_len = 0
+        self.model_config: dict[str, Any] = {}  # config.json, once loaded
+        self.role: PrefillRole | DecodeRole | None = None  # a disaggregated server's half
         self._load_task: asyncio.Task[None] | None = None
         self._announced = False
 
@@ -90,6 +96,14 @@ class ServerState:
         self.prompts = PromptBuilder(engine.tokenizer, engine.max_model_len)
         self.tokens = TokenText(engine.tokenizer)
         self.max_model_len = engine.max_model_len
+        self.model_config = engine.loaded.config_dict
+        try:
+            self.role = await self._role(engine)
+        except OSError as exc:  # the bootstrap port is taken
+            log.error("prefill: cannot listen on the bootstrap port: %s; exiting", exc)
+            self.status = "failed"
+            self.on_fatal()
+            return
         self.serving = Serving(
             self.defaults.model,
             self.engine,
@@ -102,6 +116,23 @@ class ServerState:
             self.status = "ready"
         self._announce()
 
+    async def _role(self, engine: LLMEngine) -> PrefillRole | DecodeRole | None:
+        """The half this server serves, set up (a prefill listens on its bootstrap port)."""
+        mode = self.config.disaggregation_mode
+        if mode is None:
+            return None
+        loaded = engine.loaded
+        model = model_identity(self.model_dir, loaded.arch.architecture, str(loaded.dtype))
+        kv_cache = engine.cache.spec.describe()
+        timeout = self.config.disaggregation_timeout_s
+        if mode == "prefill":
+            role = PrefillRole(model, kv_cache, timeout, self.metrics)
+            await role.start(self.config.host, self.config.bootstrap_port)
+            return role
+        name = f"decode@{self.config.host}:{self.config.port}"
+        log.info("decode: claims KV from the prefill each request names (timeout %.0f s)", timeout)
+        return DecodeRole(model, kv_cache, timeout, self.metrics, name)
+
     def mark_listening(self, address: str) -> None:
         self.address = address
         self._announce()
@@ -109,17 +140,22 @@ class ServerState:
     def _announce(self) -> None:
         if self.status == "ready" and self.address and not self._announced:
             self._announced = True
+            role = self.config.disaggregation_mode
+            what = f"{role} half of " if role else ""
             log.info(
-                "ready: serving %r at %s (OpenAI API under %s/v1)",
+                "ready: serving %s%r at %s (OpenAI API under %s/v1)",
+                what,
                 self.defaults.model,
                 self.address,
                 self.address,
             )
+            notify(f"READY=1\nSTATUS=serving {what}{self.defaults.model} at {self.address}")
 
     def begin_draining(self) -> None:
         if self.status in ("loading", "ready"):
             self.status = "draining"
             log.info("draining: refusing new requests, finishing those in flight")
+            notify("STOPPING=1\nSTATUS=draining")
 
     async def drain(self) -> None:
         """Wait until no response is in flight (at most drain_timeout_s); idempotent."""
@@ -134,3 +170,5 @@ class ServerState:
             await self.drain()
             await self.engine.stop()
             self.engine = None
+        if isinstance(self.role, PrefillRole):
+            await self.role.close()
