@@ -249,6 +249,10 @@ class BootstrapServer:
         peer = _peer_name(writer)
         try:
             await self._exchange(reader, writer, peer)
+        except PeerGone as e:
+            # smg probes the port at registration: a connection that sends nothing is no fault
+            level = logging.DEBUG if e.received == 0 else logging.WARNING
+            log.log(level, "bootstrap: dropped the connection from %s: %s", peer, _describe(e))
         except (WireError, OSError, TimeoutError) as e:
             log.warning("bootstrap: dropped the connection from %s: %s", peer, _describe(e))
         except Exception:
