@@ -78,33 +78,30 @@ def test_handoff_continues_as_one_engine_would(model_dir, kv_cache_dtype, params
         assert decode.blocks.num_free_blocks == decode.blocks.num_blocks
 
 
+def first_prompt_logprobs(engine: LLMEngine, **add):
+    """The prompt logprobs of the one request of a group (its first delta carries them)."""
+    engine.add_group("p", **add)
+    for _ in range(MAX_STEPS):
+        for delta in engine.step():
+            if delta.prompt_logprobs is not None:
+                while engine.has_unfinished():
+                    engine.step()
+                return delta.prompt_logprobs
+    raise AssertionError("no prompt logprobs")
+
+
 def test_prompt_logprobs_travel_with_the_rows(model_dir):
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
     prompt = PROMPTS[0]
-    single = engine(model_dir)
-    expected_engine = single.add_group("s", [prompt], params)
-    assert expected_engine
-    first = None
-    for _ in range(MAX_STEPS):
-        if not single.has_unfinished():
-            break
-        for delta in single.step():
-            if delta.prompt_logprobs is not None and first is None:
-                first = delta.prompt_logprobs
+    expected = first_prompt_logprobs(engine(model_dir), prompts=[prompt], params=params)
     handed = run(engine(model_dir), prompts=[prompt], params=params, handoff=True)
     prefilled = handed[0][1]
-    assert prefilled is not None and prefilled.prompt_logprobs == first
+    assert prefilled is not None and prefilled.prompt_logprobs == expected
     assert prefilled.first_logprobs is None  # not asked for
-    decode = engine(model_dir)
-    decode.add_group("d", [prompt], params, preloads=[prefilled])
-    seen = None
-    for _ in range(MAX_STEPS):
-        if not decode.has_unfinished():
-            break
-        for delta in decode.step():
-            if delta.prompt_logprobs is not None and seen is None:
-                seen = delta.prompt_logprobs
-    assert seen == first
+    seen = first_prompt_logprobs(
+        engine(model_dir), prompts=[prompt], params=params, preloads=[prefilled]
+    )
+    assert seen == expected
 
 
 def test_rows_that_do_not_fit_are_refused_and_nothing_stays(model_dir):

@@ -104,7 +104,23 @@ class Rooms:
         return f"{self.host}:{self.port}"
 
 
-class PrefillRole:
+class Role:
+    """What both halves know: what they serve (for the fingerprint) and how long to wait."""
+
+    def __init__(
+        self,
+        model: dict[str, str],
+        kv_cache: dict[str, object],
+        timeout_s: float,
+        metrics: Metrics,
+    ) -> None:
+        self.model = model  # disagg.handoff.model_identity
+        self.kv_cache = kv_cache  # KVCacheSpec.describe()
+        self.timeout_s = timeout_s
+        self.metrics = metrics
+
+
+class PrefillRole(Role):
     """Parks each choice's handoff under its room until its decode claims it."""
 
     def __init__(
@@ -114,9 +130,7 @@ class PrefillRole:
         timeout_s: float,
         metrics: Metrics,
     ) -> None:
-        self.model = model
-        self.kv_cache = kv_cache
-        self.metrics = metrics
+        super().__init__(model, kv_cache, timeout_s, metrics)
         self.table = RoomTable(ttl_s=timeout_s)
         self.server = BootstrapServer(self.table, claim_timeout_s=timeout_s)
 
@@ -164,7 +178,7 @@ class PrefillRole:
         }
 
 
-class DecodeRole:
+class DecodeRole(Role):
     """Claims each choice's handoff and checks it before the choices are admitted."""
 
     def __init__(
@@ -175,10 +189,7 @@ class DecodeRole:
         metrics: Metrics,
         name: str,
     ) -> None:
-        self.model = model
-        self.kv_cache = kv_cache
-        self.timeout_s = timeout_s
-        self.metrics = metrics
+        super().__init__(model, kv_cache, timeout_s, metrics)
         self.name = name  # how this decode introduces itself to a prefill
 
     async def fetch(
