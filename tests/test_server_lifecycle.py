@@ -1,10 +1,11 @@
 """The real command line: `python -m thermostat.cli serve` in a subprocess. It reports its
-sampling defaults, says where it listens when ready, and on SIGTERM finishes the request in
-flight before it exits."""
+sampling defaults, says where it listens when ready (and tells systemd: READY=1), and on SIGTERM
+finishes the request in flight before it exits."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -30,6 +31,10 @@ def test_serve_reports_drains_on_sigterm_and_exits(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "server.log"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # systemd's Type=notify socket
+    notify.bind(str(tmp_path / "notify.sock"))
+    notify.settimeout(30)
+    env = dict(os.environ, NOTIFY_SOCKET=str(tmp_path / "notify.sock"))
     with log_path.open("w") as log:
         proc = subprocess.Popen(
             [
@@ -49,6 +54,7 @@ def test_serve_reports_drains_on_sigterm_and_exits(tmp_path):
             cwd=REPO,
             stdout=log,
             stderr=subprocess.STDOUT,
+            env=env,
         )
     try:
         deadline = time.monotonic() + 120
@@ -59,6 +65,7 @@ def test_serve_reports_drains_on_sigterm_and_exits(tmp_path):
             except httpx.TransportError:
                 time.sleep(0.2)
         assert ready, log_path.read_text()
+        assert notify.recv(4096).decode().startswith("READY=1\nSTATUS=serving")
 
         body = {"prompt": "It was", "max_tokens": 400, "ignore_eos": True, "stream": True}
         events, signalled, after = [], False, None
@@ -77,8 +84,10 @@ def test_serve_reports_drains_on_sigterm_and_exits(tmp_path):
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert "sampling" in chunks[-1]
         assert after.status_code == 503 and after.json()["error"]["code"] == "unavailable"
+        assert notify.recv(4096).decode().startswith("STOPPING=1")
         assert proc.wait(timeout=60) == 0
     finally:
+        notify.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
