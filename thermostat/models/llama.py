@@ -161,11 +161,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch, ops: CpuOps | None) -> None:
+    """SiLU-gated MLP, gate and up fused into one projection (gate rows first)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, ops: CpuOps | None):
         super().__init__()
-        self.intermediate = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * self.intermediate, bias=arch.mlp_bias)
-        self.down_proj = nn.Linear(self.intermediate, arch.hidden_size, bias=arch.mlp_bias)
+        self.intermediate = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         # The one choice of this op (the table in thermostat.kernels).
         compiled = ops if self.intermediate % 16 == 0 else None
         self._act = _silu_mul if compiled is None else compiled.silu_mul
@@ -181,7 +183,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.self_attn = Attention(arch, layer, ops)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.mlp = MLP(arch, ops)
+        self.mlp = MLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, ops)
 
     def forward(
         self,
