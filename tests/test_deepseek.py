@@ -11,10 +11,12 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from thermostat import kernels
+from tests.conftest import hf_greedy, hf_model
+from thermostat import LLM, SamplingParams, kernels
 from thermostat.models.llama import MLP
 from thermostat.models.moe import MoEArch, SparseMoE, expert_target
 from thermostat.models.weights import ParameterFiller
+from thermostat.random_model import MOE_CONFIGS, write_model
 
 HIDDEN = 64
 MOE_BLOCKS = {
@@ -118,3 +120,48 @@ def test_expert_names_map_to_slices_of_the_fused_parameters():
     )
     assert expert_target("layers.0.mlp.shared_experts.up_proj.weight", 8) is None
     assert expert_target("layers.0.mlp.experts.gate_up_proj", 8) is None
+
+
+# --- whole models through the engine -------------------------------------------------------
+
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11], [200, 201, 202, 203] * 9, [64, 3, 8, 150, 77, 31]]
+FAMILIES = sorted(MOE_CONFIGS)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def checkpoint(request, tmp_path_factory):
+    path = write_model(tmp_path_factory.mktemp(request.param), request.param)
+    return path, hf_model(path)
+
+
+def prompt_logprobs(llm: LLM, prompts: list[list[int]], vocab: int) -> list[torch.Tensor]:
+    """Per prompt, the engine's next-token log-probabilities at every position but the last
+    [len - 1, vocab]."""
+    params = SamplingParams(max_tokens=0, prompt_logprobs=vocab)
+    rows = []
+    for out in llm.generate(prompts, params):
+        got = torch.full((len(out.prompt_logprobs) - 1, vocab), float("nan"))
+        for pos, lp in enumerate(out.prompt_logprobs[1:]):
+            for token, value in lp.top:
+                got[pos, token] = value
+        rows.append(got)
+    return rows
+
+
+def test_prompt_logprobs_match_transformers(checkpoint):
+    path, hf = checkpoint
+    llm = LLM(str(path), dtype="float32", enable_prefix_caching=False)
+    vocab = hf.config.vocab_size
+    for prompt, got in zip(PROMPTS, prompt_logprobs(llm, PROMPTS, vocab), strict=True):
+        with torch.no_grad():
+            expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        torch.testing.assert_close(got, expected[:-1], atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_matches_transformers_generate(checkpoint):
+    path, hf = checkpoint
+    llm = LLM(str(path), dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
+    outs = llm.generate(PROMPTS, params)  # different lengths, submitted together
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == hf_greedy(hf, prompt, 24)

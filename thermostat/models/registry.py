@@ -16,6 +16,7 @@ import torch
 
 from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata
+from thermostat.models.deepseek import DeepseekModel
 from thermostat.models.kv_cache import KVCacheSpec, PagedKVCache
 from thermostat.models.llama import LlamaFamilyModel
 
@@ -88,6 +89,8 @@ class CausalLM(Protocol):
 
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
+    "DeepseekV2ForCausalLM": DeepseekModel,
+    "DeepseekV3ForCausalLM": DeepseekModel,
     "LlamaForCausalLM": LlamaFamilyModel,
     "MistralForCausalLM": LlamaFamilyModel,
     "Qwen2ForCausalLM": LlamaFamilyModel,
