@@ -47,8 +47,10 @@ def test_registry_is_the_list_of_served_architectures(tmp_path):
         "DeepseekV3ForCausalLM",
         "LlamaForCausalLM",
         "MistralForCausalLM",
+        "MixtralForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
     }
     assert model_class(["Foo", "Qwen2ForCausalLM"]) == ("Qwen2ForCausalLM", llama.LlamaFamilyModel)
     (tmp_path / "config.json").write_text(
