@@ -15,6 +15,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from tests.conftest import hf_greedy, hf_model
+from tests.test_handoff import run as run_group
 from thermostat import LLM, SamplingParams, kernels
 from thermostat.models.deepseek import DeepseekArch
 from thermostat.models.kv_cache import CacheComponent
@@ -347,3 +348,20 @@ def test_fp8_latent_cache_stays_close_to_full_precision(deepseek_v3_dir):
         agree, kl_mean, worst_margin = report["fp8_e4m3", chunk]
         assert agree >= 0.85 and kl_mean < 0.02 and worst_margin < 1.0
         assert report["bfloat16", chunk][1] < kl_mean  # 8 mantissa bits beat 3
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_latent_rows_hand_off_between_engines(deepseek_v3_dir, kv_cache_dtype):
+    """Prefill/decode disaggregation moves the latent rows (fp8 with their scales) between
+    caches of different block sizes; the continuation is what one engine generates."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    config = {"dtype": "float32", "kv_cache_dtype": kv_cache_dtype}
+    single = LLM(str(deepseek_v3_dir), enable_prefix_caching=False, **config).engine
+    prefill = LLM(str(deepseek_v3_dir), block_size=16, **config).engine
+    decode = LLM(str(deepseek_v3_dir), block_size=4, **config).engine
+    for prompt in ENGINE_PROMPTS:
+        expected = run_group(single, prompts=[prompt], params=params)[0][0]
+        (_, prefilled) = run_group(prefill, prompts=[prompt], params=params, handoff=True)[0]
+        assert prefilled is not None and set(prefilled.rows.tensors) <= {"latent", "latent.scale"}
+        got = run_group(decode, prompts=[prompt], params=params, preloads=[prefilled])[0][0]
+        assert got.token_ids == expected.token_ids
