@@ -43,16 +43,20 @@ def test_models_import_no_upper_layer():
 
 def test_registry_is_the_list_of_served_architectures(tmp_path):
     assert set(ARCHITECTURES) == {
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
         "LlamaForCausalLM",
         "MistralForCausalLM",
+        "MixtralForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
     }
     assert model_class(["Foo", "Qwen2ForCausalLM"]) == ("Qwen2ForCausalLM", llama.LlamaFamilyModel)
     (tmp_path / "config.json").write_text(
-        '{"architectures": ["DeepseekV3ForCausalLM"], "model_type": "llama"}'
+        '{"architectures": ["FalconForCausalLM"], "model_type": "llama"}'
     )
-    with pytest.raises(ModelLoadError, match="DeepseekV3ForCausalLM.*not supported") as err:
+    with pytest.raises(ModelLoadError, match="FalconForCausalLM.*not supported") as err:
         load_model(tmp_path)
     assert all(name in str(err.value) for name in ARCHITECTURES)
 

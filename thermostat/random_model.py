@@ -11,12 +11,16 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 TEXT = (
@@ -47,6 +51,71 @@ CONFIGS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
     "mistral": (MistralConfig, {"sliding_window": None}),
     "qwen2": (Qwen2Config, {}),
     "qwen3": (Qwen3Config, {"head_dim": 16}),
+}
+
+# Mixture-of-experts families (tests/test_deepseek.py runs them against transformers).
+MOE_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
+    "deepseek_v2": (  # softmax greedy top-k, no q LoRA, every layer MoE, default rope
+        DeepseekV2Config,
+        {
+            "num_key_value_heads": 4,
+            "q_lora_rank": None,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 24,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 2,
+            "first_k_dense_replace": 0,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "deepseek_v3": (  # sigmoid + bias, group-limited top-k, q LoRA, YaRN, a dense first layer
+        DeepseekV3Config,
+        {
+            "num_hidden_layers": 3,
+            "num_key_value_heads": 4,
+            "q_lora_rank": 48,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 32,
+            "v_head_dim": 16,
+            "n_routed_experts": 16,
+            "num_experts_per_tok": 3,
+            "n_group": 4,
+            "topk_group": 2,
+            "moe_intermediate_size": 16,
+            "n_shared_experts": 1,
+            "routed_scaling_factor": 2.5,
+            "first_k_dense_replace": 1,
+            "rope_interleave": True,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 0.9,
+                "mscale_all_dim": 1.0,
+            },
+            "tie_word_embeddings": False,
+        },
+    ),
+    "qwen3_moe": (
+        Qwen3MoeConfig,
+        {
+            "head_dim": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [0],
+        },
+    ),
+    "mixtral": (MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 
@@ -80,8 +149,9 @@ def write_model(
     dtype: torch.dtype = torch.float32,
     **overrides,
 ) -> Path:
-    """Save a tiny random model of `kind` (a CONFIGS key) with a tokenizer to `path`."""
-    config_cls, extra = CONFIGS[kind]
+    """Save a tiny random model of `kind` (a CONFIGS or MOE_CONFIGS key) with a tokenizer to
+    `path`. DeepSeek-V3's router bias, which transformers initialises to zero, is randomised."""
+    config_cls, extra = (CONFIGS | MOE_CONFIGS)[kind]
     fields: dict[str, Any] = dict(
         vocab_size=320,
         hidden_size=64,
@@ -99,6 +169,10 @@ def write_model(
     config = config_cls(**(fields | extra | overrides))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(dtype)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     gen = generation_config if generation_config is not None else {"eos_token_id": 0}

@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache, and the MoE
+families on the same attention (Mixtral, Qwen3-MoE: thermostat.models.moe in place of the MLP on
+their MoE layers).
 
 Weights are fused at load time: q/k/v into one projection, gate/up into another, so a layer is
 four matrix products."""
@@ -17,7 +19,9 @@ from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata, paged_attention
 from thermostat.models.kv_cache import KVCacheSpec, PagedKVCache
 from thermostat.models.linear import pack_linears
+from thermostat.models.moe import MoEArch, SparseMoE, expert_target, keep_routers_float32
 from thermostat.models.rope import RotaryEmbedding, apply_rotary
+from thermostat.models.weights import ParameterFiller
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -43,6 +47,8 @@ class ModelArch:
     qk_norm: bool
     sliding_window: int | None
     max_position_embeddings: int
+    moe: MoEArch | None = None  # Mixtral, Qwen3-MoE
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is `moe`
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, arch: str) -> ModelArch:
@@ -52,8 +58,10 @@ class ModelArch:
         window = getattr(config, "sliding_window", None)
         if arch == "Qwen2ForCausalLM" and not getattr(config, "use_sliding_window", False):
             window = None
-        if arch == "Qwen3ForCausalLM" and not getattr(config, "use_sliding_window", False):
+        qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        if qwen3 and not getattr(config, "use_sliding_window", False):
             window = None
+        moe, moe_layers = _moe_arch(config, arch)
         return cls(
             architecture=arch,
             hidden_size=config.hidden_size,
@@ -68,10 +76,33 @@ class ModelArch:
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False)),
             o_bias=arch != "Qwen2ForCausalLM" and bool(getattr(config, "attention_bias", False)),
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=qwen3,
             sliding_window=window,
             max_position_embeddings=config.max_position_embeddings,
+            moe=moe,
+            moe_layers=moe_layers,
         )
+
+
+def _moe_arch(config: PretrainedConfig, arch: str) -> tuple[MoEArch | None, tuple[int, ...]]:
+    """Mixtral: every layer MoE, experts of `intermediate_size`, weights renormalised. Qwen3-MoE:
+    experts of `moe_intermediate_size` on the layers not in `mlp_only_layers` that
+    `decoder_sparse_step` picks."""
+    layers = range(config.num_hidden_layers)
+    if arch == "MixtralForCausalLM":
+        moe = MoEArch(
+            config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
+            "softmax", norm_topk_prob=True,
+        )  # fmt: skip
+        return moe, tuple(layers)
+    if arch == "Qwen3MoeForCausalLM" and config.num_experts > 0:
+        moe = MoEArch(
+            config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+            "softmax", norm_topk_prob=bool(config.norm_topk_prob),
+        )  # fmt: skip
+        dense, step = set(config.mlp_only_layers or ()), config.decoder_sparse_step
+        return moe, tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
+    return None, ()
 
 
 class RMSNorm(nn.Module):
@@ -161,11 +192,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch, ops: CpuOps | None) -> None:
+    """SiLU-gated MLP, gate and up fused into one projection (gate rows first)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, ops: CpuOps | None):
         super().__init__()
-        self.intermediate = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * self.intermediate, bias=arch.mlp_bias)
-        self.down_proj = nn.Linear(self.intermediate, arch.hidden_size, bias=arch.mlp_bias)
+        self.intermediate = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         # The one choice of this op (the table in thermostat.kernels).
         compiled = ops if self.intermediate % 16 == 0 else None
         self._act = _silu_mul if compiled is None else compiled.silu_mul
@@ -181,7 +214,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.self_attn = Attention(arch, layer, ops)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.mlp = MLP(arch, ops)
+        self.mlp: nn.Module
+        if arch.moe is not None and layer in arch.moe_layers:
+            self.mlp = SparseMoE(arch.moe, arch.hidden_size, ops)
+        else:
+            self.mlp = MLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, ops)
 
     def forward(
         self,
@@ -201,11 +238,13 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm.add_forward(x, residual)
         h = self.self_attn(h, cos, sin, meta, cache)
         h = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        y: torch.Tensor = self.mlp(h)
+        return y, residual
 
 
 class LlamaFamilyModel(nn.Module):
-    """A thermostat.models.registry.CausalLM for Llama, Mistral, Qwen2 and Qwen3 checkpoints."""
+    """A thermostat.models.registry.CausalLM for Llama, Mistral, Qwen2, Qwen3, Mixtral and
+    Qwen3-MoE checkpoints."""
 
     def __init__(
         self,
@@ -228,6 +267,7 @@ class LlamaFamilyModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, arch.head_dim, max_positions, dtype)
         self.to(dtype)
+        keep_routers_float32(self)
         self.eval()
 
     @classmethod
@@ -263,54 +303,33 @@ class LlamaFamilyModel(nn.Module):
         return logits.float()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face parameter names, fusing q/k/v and gate/up. Raises ValueError naming
-        any missing or unexpected parameter."""
-        fused = {
-            "q_proj": ("qkv_proj", 0),
-            "k_proj": ("qkv_proj", 1),
-            "v_proj": ("qkv_proj", 2),
-            "gate_proj": ("gate_up_proj", 0),
-            "up_proj": ("gate_up_proj", 1),
+        """Load Hugging Face parameter names, fusing q/k/v and gate/up (and experts stored one
+        by one, Mixtral's `block_sparse_moe` read as `mlp`). Raises ValueError naming any
+        missing, unexpected or misshapen parameter."""
+        a = self.arch
+        q, kv, i = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
+        fused = {  # checkpoint projection -> (fused parameter, its rows there)
+            "q_proj": ("qkv_proj", slice(0, q)),
+            "k_proj": ("qkv_proj", slice(q, q + kv)),
+            "v_proj": ("qkv_proj", slice(q + kv, q + 2 * kv)),
+            "gate_proj": ("gate_up_proj", slice(0, i)),
+            "up_proj": ("gate_up_proj", slice(i, 2 * i)),
         }
-        parts: dict[str, dict[int, torch.Tensor]] = {}
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        filler = ParameterFiller(self)
         for hf_name, tensor in tensors:
-            name = hf_name.removeprefix("model.")
+            name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
             if "rotary_emb" in name:
                 continue
-            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+            if name == "lm_head.weight" and a.tie_word_embeddings:
                 continue  # tied: some checkpoints store the copy anyway
-            for src, (dst, index) in fused.items():
-                if f".{src}." in name:
-                    name = name.replace(f".{src}.", f".{dst}.")
-                    parts.setdefault(name, {})[index] = tensor
-                    break
-            else:
-                self._copy(params, name, tensor, hf_name)
-                loaded.add(name)
-        for name, pieces in parts.items():
-            expected = 3 if "qkv_proj" in name else 2
-            if sorted(pieces) != list(range(expected)):
-                raise ValueError(f"checkpoint: incomplete fused parameter {name}")
-            self._copy(params, name, torch.cat([pieces[i] for i in range(expected)]), name)
-            loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint: missing parameters {missing[:5]}")
+            target = None if a.moe is None else expert_target(name, a.moe.intermediate_size)
+            if target is None:
+                target = name, ()
+                for src, (dst, rows) in fused.items():
+                    if f".{src}." in name:
+                        target = name.replace(f".{src}.", f".{dst}."), (rows,)
+                        break
+            param, index = target
+            filler.copy(param, tensor, index, hf_name)
+        filler.check_complete()
         pack_linears(self, self.ops)
-
-    @staticmethod
-    def _copy(
-        params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, hf_name: str
-    ) -> None:
-        if name not in params:
-            raise ValueError(f"checkpoint: unexpected parameter {hf_name}")
-        param = params[name]
-        if param.shape != tensor.shape:
-            raise ValueError(
-                f"checkpoint: {hf_name} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(param.shape)}"
-            )
-        with torch.no_grad():
-            param.copy_(tensor)

@@ -1,7 +1,7 @@
 """Model families by the Hugging Face architecture name in config.json, and the interface the
 engine runs them through.
 
-Adding a family (next: DeepSeek's MLA/MoE) is one module under thermostat/models/ with a class
+Adding a family is one module under thermostat/models/ with a class
 that satisfies `CausalLM` (its own arch dataclass, its cache components in `cache_spec`, its
 layers choosing their ops as thermostat.kernels lists), plus one line per architecture name in
 `ARCHITECTURES`. Nothing in engine/ names a family.
@@ -16,6 +16,7 @@ import torch
 
 from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata
+from thermostat.models.deepseek import DeepseekModel
 from thermostat.models.kv_cache import KVCacheSpec, PagedKVCache
 from thermostat.models.llama import LlamaFamilyModel
 
@@ -88,10 +89,14 @@ class CausalLM(Protocol):
 
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
+    "DeepseekV2ForCausalLM": DeepseekModel,
+    "DeepseekV3ForCausalLM": DeepseekModel,
     "LlamaForCausalLM": LlamaFamilyModel,
     "MistralForCausalLM": LlamaFamilyModel,
+    "MixtralForCausalLM": LlamaFamilyModel,
     "Qwen2ForCausalLM": LlamaFamilyModel,
     "Qwen3ForCausalLM": LlamaFamilyModel,
+    "Qwen3MoeForCausalLM": LlamaFamilyModel,
 }
 
 

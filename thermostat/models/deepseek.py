@@ -1,0 +1,269 @@
+"""DeepSeek-V2 and DeepSeek-V3 decoders (also V2-Lite, R1, Kimi-K2: the same architectures)
+over the paged latent cache: Multi-head Latent Attention (thermostat.models.mla) and the MoE
+block (thermostat.models.moe).
+
+| layers                         | feed-forward                                             |
+|--------------------------------|----------------------------------------------------------|
+| [0, first_k_dense_replace)     | dense SiLU-gated MLP of `intermediate_size`              |
+| [first_k_dense_replace, L)     | routed experts + `n_shared_experts` shared (one MLP)     |
+| L and up, in a checkpoint      | multi-token-prediction (next-n) layers: skipped, logged  |
+
+Routing by architecture: V2 softmax top-k (`topk_method` greedy, or group_limited_greedy ranking
+groups by their best expert); V3 sigmoid scores plus `e_score_correction_bias` for the choice,
+groups ranked by their two best, weights normalised when `norm_topk_prob`, then scaled by
+`routed_scaling_factor`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from thermostat.kernels import CpuOps
+from thermostat.models.attention import AttentionMetadata
+from thermostat.models.kv_cache import CacheComponent, KVCacheSpec, PagedKVCache
+from thermostat.models.linear import pack_linears
+from thermostat.models.llama import MLP, RMSNorm
+from thermostat.models.mla import MLAArch, MLAttention
+from thermostat.models.moe import MoEArch, SparseMoE, expert_target, keep_routers_float32
+from thermostat.models.rope import RotaryEmbedding, rope_parameters
+from thermostat.models.weights import Index, ParameterFiller
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+log = logging.getLogger("thermostat.models")
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def yarn_softmax_scale(config: PretrainedConfig, qk_head_dim: int) -> float:
+    """qk_head_dim^-0.5, times mscale^2 (0.1 * mscale_all_dim * ln(factor) + 1, squared) when a
+    scaled rope declares `mscale_all_dim` and a factor above 1."""
+    scale: float = qk_head_dim**-0.5
+    params = rope_parameters(config)
+    mscale_all_dim = params.get("mscale_all_dim") or 0
+    factor = params.get("factor") or 1.0
+    if params["rope_type"] != "default" and mscale_all_dim and factor > 1:
+        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+@dataclass(frozen=True)
+class DeepseekArch:
+    """The family's shape from a Hugging Face config.json (an ArchFacts for the engine)."""
+
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    intermediate_size: int  # of the dense layers
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    mlp_bias: bool
+    max_position_embeddings: int
+    mla: MLAArch
+    moe: MoEArch | None  # None: every layer dense
+    first_k_dense_replace: int
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig, arch: str) -> DeepseekArch:
+        quant = getattr(config, "quantization_config", None)
+        if quant:
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise ValueError(f"config.json: quantized weights ({method}) are not supported")
+        v3 = arch == "DeepseekV3ForCausalLM"
+        qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+        mla = MLAArch(
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            q_lora_rank=config.q_lora_rank,
+            kv_lora_rank=config.kv_lora_rank,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
+            softmax_scale=yarn_softmax_scale(config, qk_head_dim),
+            rope_interleave=bool(getattr(config, "rope_interleave", True)) if v3 else True,
+            attention_bias=bool(getattr(config, "attention_bias", False)),
+            rms_norm_eps=config.rms_norm_eps,
+        )
+        return cls(
+            architecture=arch,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=config.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            max_position_embeddings=config.max_position_embeddings,
+            mla=mla,
+            moe=_moe_arch(config, v3),
+            first_k_dense_replace=getattr(config, "first_k_dense_replace", None) or 0,
+        )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer >= self.first_k_dense_replace
+
+
+def _moe_arch(config: PretrainedConfig, v3: bool) -> MoEArch | None:
+    if not getattr(config, "n_routed_experts", None):
+        return None
+    groups = getattr(config, "n_group", None) or 1
+    if not v3 and getattr(config, "topk_method", "greedy") != "group_limited_greedy":
+        groups = 1  # V2 "greedy": no group limit
+    shared = (getattr(config, "n_shared_experts", None) or 0) * config.moe_intermediate_size
+    return MoEArch(
+        num_experts=config.n_routed_experts,
+        top_k=config.num_experts_per_tok,
+        intermediate_size=config.moe_intermediate_size,
+        scoring="sigmoid" if v3 else "softmax",
+        norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)),
+        routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
+        num_groups=groups,
+        topk_groups=(getattr(config, "topk_group", None) or groups) if groups > 1 else 1,
+        group_score="top2_sum" if v3 else "max",
+        correction_bias=v3,
+        shared_intermediate_size=shared,
+    )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: DeepseekArch, layer: int, ops: CpuOps | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.self_attn = MLAttention(arch.mla, layer, ops)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.mlp: nn.Module
+        if arch.moe is not None and arch.is_moe_layer(layer):
+            size = arch.moe.shared_intermediate_size
+            shared = MLP(arch.hidden_size, size, arch.mlp_bias, ops) if size else None
+            self.mlp = SparseMoE(arch.moe, arch.hidden_size, ops, shared)
+        else:
+            self.mlp = MLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, ops)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As llama.DecoderLayer: x not yet added to `residual` (None before the first layer);
+        returns (this layer's output, residual)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos, sin, meta, cache)
+        h = self.post_attention_layernorm.add_forward(h, residual)
+        y: torch.Tensor = self.mlp(h)
+        return y, residual
+
+
+class DeepseekModel(nn.Module):
+    """A thermostat.models.registry.CausalLM for DeepseekV2ForCausalLM and
+    DeepseekV3ForCausalLM checkpoints."""
+
+    def __init__(
+        self,
+        arch: DeepseekArch,
+        config: PretrainedConfig,
+        dtype: torch.dtype,
+        max_positions: int,
+        ops: CpuOps | None = None,
+    ) -> None:
+        super().__init__()
+        self.arch = arch
+        self.ops = ops
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, ops) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(config, arch.mla.qk_rope_head_dim, max_positions, dtype)
+        self.to(dtype)
+        keep_routers_float32(self)
+        self.eval()
+
+    @classmethod
+    def arch_from_config(cls, config: PretrainedConfig, architecture: str) -> DeepseekArch:
+        return DeepseekArch.from_config(config, architecture)
+
+    def cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """One "latent" of [kv_lora_rank + qk_rope_head_dim] per token and layer."""
+        latent = CacheComponent("latent", (self.arch.mla.latent_dim,), dtype)
+        return KVCacheSpec(self.arch.num_layers, block_size, (latent,))
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
+        cos, sin = self.rotary.tables(positions)
+        x: torch.Tensor = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, meta, cache)
+        assert residual is not None  # set by the first layer
+        return self.norm.add_forward(x, residual)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits.float()
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hugging Face names, per-expert or fused experts; gate/up fused at load. Layers past
+        num_hidden_layers (multi-token prediction) are skipped and logged. Raises ValueError
+        naming any missing, unexpected or misshapen parameter."""
+        filler = ParameterFiller(self)
+        skipped: set[int] = set()
+        for hf_name, tensor in tensors:
+            name = hf_name.removeprefix("model.")
+            layer = _LAYER.match(name)
+            if layer is not None and int(layer[1]) >= self.arch.num_layers:
+                skipped.add(int(layer[1]))
+                continue
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue  # tied: some checkpoints store the copy anyway
+            target, index = self._target(name)
+            filler.copy(target, tensor, index, hf_name)
+        filler.check_complete()
+        if skipped:
+            log.info("checkpoint: skipped multi-token-prediction layers %s", sorted(skipped))
+        for layer_module in self.layers:
+            assert isinstance(layer_module, DecoderLayer)
+            layer_module.self_attn.finish_loading()
+        pack_linears(self, self.ops)
+
+    def _target(self, name: str) -> tuple[str, Index]:
+        moe = self.arch.moe
+        if moe is not None and (expert := expert_target(name, moe.intermediate_size)):
+            return expert
+        for half, proj in enumerate(("gate_proj", "up_proj")):
+            if f".{proj}." in name:
+                rows = self.arch.intermediate_size
+                if moe is not None and ".shared_experts." in name:
+                    rows = moe.shared_intermediate_size
+                return name.replace(proj, "gate_up_proj"), (slice(half * rows, (half + 1) * rows),)
+        return name, ()
