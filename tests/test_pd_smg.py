@@ -103,18 +103,19 @@ def model_dir(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("pd-smg"), "llama", dtype=torch.bfloat16)
 
 
-@pytest.fixture(scope="module")
-def topology(model_dir, tmp_path_factory) -> Iterator[Topology]:
-    logs = tmp_path_factory.mktemp("logs")
+@contextlib.contextmanager
+def pd_topology(model_dir: Path, logs: Path, *flags: str) -> Iterator[Topology]:
+    """Prefill, decode (both with `flags`) and smg on free loopback ports, until the block ends."""
     boot, pp, dp, rp = free_port(), free_port(), free_port(), free_port()
     prefill = Worker(
         serve_argv(model_dir, pp, "--disaggregation-mode", "prefill",
-                   "--disaggregation-bootstrap-port", str(boot), "--disaggregation-timeout", "10"),
+                   "--disaggregation-bootstrap-port", str(boot), "--disaggregation-timeout", "10",
+                   *flags),
         pp, logs / "prefill.log",
     )  # fmt: skip
     decode = Worker(
         serve_argv(model_dir, dp, "--disaggregation-mode", "decode",
-                   "--disaggregation-timeout", "10"),
+                   "--disaggregation-timeout", "10", *flags),
         dp, logs / "decode.log",
     )  # fmt: skip
     config = RouterConfig(
@@ -147,6 +148,12 @@ def topology(model_dir, tmp_path_factory) -> Iterator[Topology]:
 
 
 @pytest.fixture(scope="module")
+def topology(model_dir, tmp_path_factory) -> Iterator[Topology]:
+    with pd_topology(model_dir, tmp_path_factory.mktemp("logs")) as t:
+        yield t
+
+
+@pytest.fixture(scope="module")
 def single(model_dir):
     with running_server(model_dir, served_model_name="m") as s:
         yield s.client()
@@ -172,6 +179,18 @@ def test_through_the_router_equals_a_single_server(topology, single):
     assert streamed == whole.choices[0].message.content
     routed = client.completions.create(model="m", prompt="x", **GREEDY).model_extra["sampling"]
     assert routed["disaggregation"]["agreed"] == ["model", "kv_cache", "prompt", "sampling"]
+
+
+def test_fp8_kv_through_the_router_equals_an_fp8_single_server(model_dir, tmp_path):
+    fp8 = ("--kv-cache-dtype", "fp8_e4m3")
+    with (
+        pd_topology(model_dir, tmp_path, *fp8) as pd,
+        running_server(model_dir, served_model_name="m", kv_cache_dtype="fp8_e4m3") as one,
+    ):
+        for prompt in ["The quick brown fox", "Another prompt entirely"]:
+            assert completion_texts(pd.client(), prompt=prompt, **GREEDY) == completion_texts(
+                one.client(), prompt=prompt, **GREEDY
+            )
 
 
 def test_concurrent_clients(topology, single):
