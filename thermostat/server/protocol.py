@@ -46,6 +46,30 @@ class ChatMessage(_Strict):
     content: str | list[ContentPart] | None = None
 
 
+class JsonSchemaFormat(_Strict):
+    """`response_format.json_schema`: OpenAI's structured outputs (`strict` is always so)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` (its newer spelling of the guided_* fields)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 # Fields both generation endpoints accept: the table's body fields, each `T | None = None`.
 # vLLM/SGLang extras (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
 # skip_special_tokens) are plain body fields, sent by the openai client through `extra_body`.
@@ -64,6 +88,13 @@ else:
         stream=(bool | None, None),
         stream_options=(StreamOptions | None, None),
         user=(str | None, None),
+        # structured output (server/request_params.py: structured_output); at most one of them
+        response_format=(ResponseFormat | None, None),
+        guided_json=(dict[str, Any] | str | None, None),
+        guided_regex=(str | None, None),
+        guided_choice=(list[str] | None, None),
+        guided_grammar=(str | None, None),
+        structured_outputs=(StructuredOutputs | None, None),
         # SGLang's router adds these for prefill/decode disaggregation (lists: one per choice)
         bootstrap_host=(str | list[str] | None, None),
         bootstrap_port=(int | list[int] | None, None),
