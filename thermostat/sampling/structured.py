@@ -12,6 +12,7 @@ engine, which compiles it against its tokenizer (engine/constraint.py). Torch-fr
 | `regex`       | `guided_regex`                                             | the regex's    |
 | `choice`      | `guided_choice`                                            | one string     |
 | `grammar`     | `guided_grammar` (Lark, or llama.cpp's GBNF)               | the grammar's  |
+| `tool_call`   | `tool_choice` required or named (server/tools.py)          | tool calls     |
 
 JSON whitespace is bounded: between two tokens of the JSON text at most one space, or a
 newline and up to `MAX_INDENT` spaces of indentation (pretty-printing up to depth 8 at indent
@@ -54,7 +55,7 @@ class ConstraintError(InvalidRequest):
 class StructuredOutput:
     """One request's output constraint: an llguidance grammar and where it came from."""
 
-    kind: str  # json_object | json_schema | regex | choice | grammar
+    kind: str  # json_object | json_schema | regex | choice | grammar | tool_call
     param: str  # the request field it came from (errors name it)
     grammar: str  # llguidance's serialized grammar
     digest: str  # 12 hex digits of the SHA-256 of the source
@@ -96,13 +97,13 @@ class StructuredOutput:
         return cls._checked("choice", param, llguidance.grammar_from("choice", source), source)
 
     @classmethod
-    def lark(cls, text: str, param: str) -> StructuredOutput:
+    def lark(cls, text: str, param: str, kind: str = "grammar") -> StructuredOutput:
         """A Lark grammar (llguidance's dialect), or a GBNF one (llama.cpp's), converted."""
         try:
             lark = any_to_lark(text)
         except Exception as exc:  # the converter raises plain exceptions for bad GBNF
             raise ConstraintError(param, f"{param}: cannot read the grammar: {exc}") from exc
-        return cls._checked("grammar", param, llguidance.grammar_from("lark", lark), text)
+        return cls._checked(kind, param, llguidance.grammar_from("lark", lark), text)
 
     @classmethod
     def _checked(cls, kind: str, param: str, grammar: str, source: str) -> StructuredOutput:

@@ -102,11 +102,36 @@ else:
     )
 
 
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None = any object
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer name; an alias of max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # tool calling (server/tools.py)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -142,9 +167,21 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str  # call_...
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = _omit_none()
 
 
 class ChatChoice(BaseModel):
@@ -168,9 +205,22 @@ class ChatCompletionResponse(BaseModel):
     quality: dict[str, Any]
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = _omit_none()
+    arguments: str | None = _omit_none()  # the next piece of the JSON text
+
+
+class DeltaToolCall(BaseModel):
+    index: int  # of the call in the message
+    id: str | None = _omit_none()  # on a call's first delta, with its type and name
+    type: Literal["function"] | None = _omit_none()
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: str | None = _omit_none()
     content: str | None = _omit_none()
+    tool_calls: list[DeltaToolCall] | None = _omit_none()
 
 
 class ChatChunkChoice(BaseModel):

@@ -32,10 +32,13 @@ def parse_body(raw: object) -> ChatCompletionRequest | CompletionRequest:
     return ChatCompletionRequest.model_validate({"messages": []} | raw)
 
 
-def to_sampling_params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+def to_sampling_params(
+    body: ChatCompletionRequest | CompletionRequest, tools: StructuredOutput | None = None
+) -> SamplingParams:
     """Raises SamplingParamError (naming the field) for what only the HTTP shape can get wrong
     (top_logprobs without logprobs, more alternatives or samples than served). The values
-    themselves are validated once, by `resolve`."""
+    themselves are validated once, by `resolve`. `tools`: the constraint of a forced tool
+    call (server/tools.py), one more output constraint."""
     values = {}
     for field in FIELDS:
         if field.body:
@@ -62,15 +65,19 @@ def to_sampling_params(body: ChatCompletionRequest | CompletionRequest) -> Sampl
         **values,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
-        structured=structured_output(body),
+        structured=structured_output(body, tools),
     )
 
 
-def structured_output(body: ChatCompletionRequest | CompletionRequest) -> StructuredOutput | None:
+def structured_output(
+    body: ChatCompletionRequest | CompletionRequest, tools: StructuredOutput | None = None
+) -> StructuredOutput | None:
     """The output constraint the body asks for: OpenAI's `response_format` or one of vLLM's
-    `guided_*` / `structured_outputs` fields; at most one may be sent. Raises ConstraintError
-    naming the field for a bad schema, regex or grammar."""
+    `guided_*` / `structured_outputs` fields, or a forced tool call; at most one may be sent.
+    Raises ConstraintError naming the field for a bad schema, regex or grammar."""
     asked: list[tuple[str, Callable[[], StructuredOutput]]] = []
+    if tools is not None:
+        asked.append(("tool_choice", lambda: tools))
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_object":
         asked.append(("response_format", lambda: StructuredOutput.json_object("response_format")))
