@@ -42,8 +42,9 @@ def main() -> None:
     spec = StructuredOutput.json_schema(schema, "response_format")
     free = SamplingParams(temperature=1.0, max_tokens=args.tokens, ignore_eos=True)
     constrained = SamplingParams(temperature=1.0, max_tokens=args.tokens, structured=spec)
-    run(llm, 2, free)  # warm up
-    run(llm, 2, constrained)
+    for batch in args.batches:  # warm up each shape
+        run(llm, batch, free)
+        run(llm, batch, constrained)
     print("| batch | unconstrained tok/s | json_schema tok/s | ratio |")
     print("|---|---|---|---|")
     for batch in args.batches:
@@ -52,7 +53,7 @@ def main() -> None:
         ]
         a = statistics.median(p[0] for p in pairs)
         b = statistics.median(p[1] for p in pairs)
-        ratio = statistics.median(p[1] / p[0] for p in pairs)
+        ratio = b / a
         print(f"| {batch} | {a:.1f} | {b:.1f} | {ratio:.2f}x |")
 
 

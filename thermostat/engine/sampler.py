@@ -53,15 +53,17 @@ def apply_allowed(
     masks = {i: mask for i, mask in enumerate(allowed) if mask is not None}
     if not masks:
         return logits
-    rows = list(masks)
-    vocab = logits.shape[-1]
+    rows, vocab = list(masks), logits.shape[-1]
     packed = np.stack(list(masks.values())).astype("<i4", copy=False)
     bits = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    keep = torch.zeros((len(rows), vocab), dtype=torch.bool, device=logits.device)
-    keep[:, : bits.shape[1]] = torch.from_numpy(bits).to(device=logits.device, dtype=torch.bool)
+    if bits.shape[1] < vocab:
+        bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
+    drop = torch.from_numpy(np.ascontiguousarray(bits) == 0).to(logits.device)  # [R, V]
+    if len(rows) == logits.shape[0]:
+        return logits.masked_fill(drop, _NEG_INF)
     index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
     out = logits.clone()
-    out[index] = logits[index].masked_fill(~keep, _NEG_INF)
+    out[index] = logits[index].masked_fill(drop, _NEG_INF)
     return out
 
 
