@@ -119,8 +119,18 @@ def kv_usage(server: RunningServer) -> float:
             3,
         ),
         ("/v1/completions", {"prompt": PROMPT, "logprobs": 2, "echo": True} | GREEDY, 1),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "JSON please"}],
+                "response_format": {"type": "json_object"},
+                "temperature": 0.0,
+                "max_tokens": 40,
+            },
+            1,
+        ),
     ],
-    ids=["completions", "chat", "two-prompts", "seeded-n3", "logprobs-echo"],
+    ids=["completions", "chat", "two-prompts", "seeded-n3", "logprobs-echo", "json-object"],
 )
 def test_decode_answers_as_a_single_server(pair, single, path, body, choices):
     prefill, decode = pair

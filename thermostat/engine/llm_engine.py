@@ -17,6 +17,7 @@ import torch
 from thermostat import kernels
 from thermostat.engine.block_manager import BlockManager
 from thermostat.engine.config import EngineConfig
+from thermostat.engine.constraint import ConstraintCompiler
 from thermostat.engine.loader import LoadedModel, load_model
 from thermostat.engine.model_runner import ModelRunner
 from thermostat.engine.output_text import OutputText
@@ -77,6 +78,9 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             self.loaded.model, self.cache, config.block_size, arch.sliding_window
+        )
+        self.constraints = ConstraintCompiler(
+            self.tokenizer, arch.vocab_size, self.loaded.eos_token_ids
         )
         self._emitting: dict[str, _Emitting] = {}
         log.info(
@@ -178,6 +182,7 @@ class LLMEngine:
             eff,
             frozenset(stop_ids),
             text=text,
+            constraint=None if eff.structured is None else self.constraints.compile(eff.structured),
             handoff=handoff,
             preload=preload,
         )

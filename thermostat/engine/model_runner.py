@@ -136,6 +136,7 @@ class ModelRunner:
             prompt_ids=[r.data.prompt_token_ids for r in reqs],
             output_ids=[r.output_token_ids for r in reqs],
             banned_ids=[list(c.banned_token_ids) for c in chunks],
+            allowed=[c.allowed_tokens for c in chunks],
             num_logprobs=[p.logprobs for p in params],
         )
 

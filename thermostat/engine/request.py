@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from thermostat.engine.block_manager import hash_block_tokens
+from thermostat.engine.constraint import Constraint
 from thermostat.engine.outputs import Prefilled
 from thermostat.sampling.params import EffectiveParams
 
@@ -44,9 +45,12 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # of every full block, chained
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "handoff" once finished
-    stop_reason: str | int | None = None  # the stop token id, stop string or "loop" of a "stop"
+    # once finished: "stop" | "length" | "abort" | "handoff" | "error" (a constraint dead end)
+    finish_reason: str | None = None
+    # the stop token id, stop string or "loop" of a "stop"; "constraint_dead_end" of an "error"
+    stop_reason: str | int | None = None
     text: TextStops | None = None  # None: no text-level stop conditions (token ids only)
+    constraint: Constraint | None = None  # structured output: the grammar's state
     # Disaggregation. A handoff request ends ("handoff") once its first token is sampled;
     # `handoff_slots` are then the cache slots of its prompt. A preloaded request starts from
     # another engine's handoff (`preload`: the prompt's rows and the first token; dropped once

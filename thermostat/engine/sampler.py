@@ -1,17 +1,18 @@
 """Batched, exact token sampling with per-row parameters.
 
-Order of operations (as in transformers and vLLM): ban -> penalties -> temperature ->
-top-k -> top-p -> min-p -> sample. Shapes: B = rows in the batch, V = vocabulary size.
-All arithmetic is float32 on the logits' device; a row must keep at least one finite logit.
+Order of operations (as in transformers and vLLM): ban and constrain -> penalties ->
+temperature -> top-k -> top-p -> min-p -> sample. Shapes: B = rows in the batch, V = vocabulary
+size. All arithmetic is float32 on the logits' device; a row must keep at least one finite logit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from thermostat.sampling.fields import BATCH_FIELDS, FIELD
@@ -41,6 +42,29 @@ def token_counts(
         )
         counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.int32))
     return counts[:, :vocab_size]
+
+
+def apply_allowed(
+    logits: torch.Tensor, allowed: Sequence[npt.NDArray[np.int32] | None]
+) -> torch.Tensor:
+    """Return ``logits`` [B, V] with the tokens a row's bitmask leaves out set to -inf (the input
+    itself if no row has one). A bitmask is llguidance's: int32 words, bit ``t % 32`` of word
+    ``t // 32`` set = token t allowed (engine/constraint.py); tokens past it are not allowed."""
+    masks = {i: mask for i, mask in enumerate(allowed) if mask is not None}
+    if not masks:
+        return logits
+    rows, vocab = list(masks), logits.shape[-1]
+    packed = np.stack(list(masks.values())).astype("<i4", copy=False)
+    bits = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    if bits.shape[1] < vocab:
+        bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
+    drop = torch.from_numpy(np.ascontiguousarray(bits) == 0).to(logits.device)  # [R, V]
+    if len(rows) == logits.shape[0]:
+        return logits.masked_fill(drop, _NEG_INF)
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    out = logits.clone()
+    out[index] = logits[index].masked_fill(drop, _NEG_INF)
+    return out
 
 
 def apply_penalties(
@@ -167,6 +191,8 @@ class SamplingBatch:
     output_ids: list[list[int]]  # tokens generated so far
     banned_ids: list[list[int]]  # token ids forbidden this step (e.g. EOS before min_tokens)
     num_logprobs: list[int | None]  # None = no logprobs; k >= 0 = chosen + top-k alternatives
+    # a constrained row's bitmask of allowed tokens (engine/constraint.py); [] = none constrained
+    allowed: list[npt.NDArray[np.int32] | None] = field(default_factory=list)
 
     @classmethod
     def of(cls, params: Sequence[EffectiveParams], **rows: Any) -> SamplingBatch:
@@ -193,23 +219,26 @@ class SamplerOutput:
 def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """Pick one token per row of ``logits`` [B, V] (any float dtype, upcast to float32).
 
-    Banned ids are set to -inf first. Logprobs describe the RAW model distribution,
-    log_softmax(logits) after banning but before penalties, temperature and filters (vLLM's
-    default). Greedy rows (temperature 0) take the argmax of the penalised logits; other rows are
-    filtered and sampled. If every row is greedy and no penalty is active this is a bare argmax
-    (no softmax, no sort); penalties are computed only if some row has a non-neutral one.
+    Banned ids and the tokens a row's constraint does not allow are set to -inf first. Logprobs
+    describe the RAW model distribution, log_softmax(logits) after banning and constraining but
+    before penalties, temperature and filters (vLLM's default). Greedy rows (temperature 0) take
+    the argmax of the penalised logits; other rows are filtered and sampled. If every row is
+    greedy and no penalty is active this is a bare argmax (no softmax, no sort); penalties are
+    computed only if some row has a non-neutral one.
     """
     logits = logits.float()  # may alias the caller's tensor: never written in place below
     rows, vocab = logits.shape
     device = logits.device
-    for field in fields(batch):
-        if len(getattr(batch, field.name)) != rows:
-            raise ValueError(f"SamplingBatch.{field.name} must have {rows} entries")
+    for column_field in fields(batch):
+        values = getattr(batch, column_field.name)
+        if len(values) != rows and not (column_field.name == "allowed" and not values):
+            raise ValueError(f"SamplingBatch.{column_field.name} must have {rows} entries")
     if any(batch.banned_ids):
         ban_rows = [i for i, ids in enumerate(batch.banned_ids) for _ in ids]
         ban_cols = [t for ids in batch.banned_ids for t in ids]
         logits = logits.clone()
         logits[ban_rows, ban_cols] = _NEG_INF
+    logits = apply_allowed(logits, batch.allowed)
     raw_logprobs = None
     if any(k is not None for k in batch.num_logprobs):
         raw_logprobs = torch.log_softmax(logits, dim=-1)

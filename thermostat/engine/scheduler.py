@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from thermostat.engine.block_manager import BlockManager
+from thermostat.engine.constraint import Bitmask, ConstraintError
 from thermostat.engine.outputs import Prefilled
 from thermostat.engine.request import Request, RequestStatus
 from thermostat.engine.sampler import TokenLogprobs
@@ -46,6 +47,7 @@ class ScheduledChunk:
     block_table: list[int]
     sample: bool  # the request catches up this step: sample its next token
     banned_token_ids: tuple[int, ...] = ()
+    allowed_tokens: Bitmask | None = None  # a constrained request's next token (engine/constraint)
 
 
 @dataclass
@@ -108,6 +110,10 @@ class Scheduler:
             )
         if req.req_id in self.requests:
             raise ValueError(f"duplicate request id {req.req_id!r}")
+        constraint = req.constraint
+        if constraint is not None and not constraint.allows_any(req.banned_token_ids()):
+            param = constraint.spec.param
+            raise ConstraintError(param, f"{param}: the constraint allows no first token")
         req.update_block_hashes(self.block_size)
         self.requests[req.req_id] = req
         self.waiting.append(req)
@@ -211,13 +217,16 @@ class Scheduler:
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens
         catches_up = start + n == req.num_tokens
+        sample = catches_up and req.num_output_tokens < req.params.max_tokens
+        constraint = req.constraint if sample else None
         return ScheduledChunk(
             req_id=req.req_id,
             token_ids=req.token_ids(start, start + n),
             start=start,
             block_table=self.blocks.block_table(req.req_id),
-            sample=catches_up and req.num_output_tokens < req.params.max_tokens,
+            sample=sample,
             banned_token_ids=req.banned_token_ids(),
+            allowed_tokens=None if constraint is None else constraint.mask(),
         )
 
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
@@ -253,13 +262,23 @@ class Scheduler:
     def _ending(self, req: Request, token: int) -> tuple[str, str | int | None] | None:
         """(finish_reason, stop_reason) if `token` ends the request. A stop token first (it is
         never sampled before min_tokens: banned until then), then the text's stop conditions
-        (stop strings, a loop), then length."""
+        (stop strings, a loop), then a constraint that is complete ("stop") or refused the
+        token, then length, then a constraint that allows no next token: ("error",
+        "constraint_dead_end"), e.g. a complete grammar whose EOS min_tokens still bans."""
         if token in req.stop_ids:
             return "stop", token
         if req.text is not None and (stop := req.text.add(token)) is not None:
             return "stop", stop
+        constraint = req.constraint
+        if constraint is not None:
+            if not constraint.advance(token):
+                return "error", "constraint_dead_end"
+            if constraint.complete:
+                return "stop", None
         if req.num_output_tokens >= req.params.max_tokens:
             return "length", None
         if req.num_tokens >= self.config.max_model_len:
             return "length", None
+        if constraint is not None and not constraint.allows_any(req.banned_token_ids()):
+            return "error", "constraint_dead_end"
         return None

@@ -16,6 +16,7 @@ from thermostat.sampling.fields import (
     REPORTED_FIELDS,
     SamplingParamError,
 )
+from thermostat.sampling.structured import StructuredOutput
 
 __all__ = [
     "BUILTIN",
@@ -23,6 +24,7 @@ __all__ = [
     "EffectiveParams",
     "SamplingParamError",
     "SamplingParams",
+    "StructuredOutput",
     "validate_layered",
 ]
 
@@ -59,10 +61,13 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool | None = None
+    # Not a table field: an object checked when built (sampling/structured.py), never layered.
+    structured: StructuredOutput | None = None
 
     def sent(self) -> dict[str, Any]:
         """The fields that were set, as a dict."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: v for k, v in values.items() if v is not None}
 
     def validate(self) -> None:
         """Raise SamplingParamError for the first invalid field (in the table's order)."""
@@ -98,6 +103,7 @@ class EffectiveParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None  # the output's grammar, if constrained
 
     @property
     def greedy(self) -> bool:

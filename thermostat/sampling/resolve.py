@@ -105,12 +105,16 @@ class Resolution:
     adjusted: tuple[Adjustment, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        """The `sampling` extension object of a response."""
-        return {
+        """The `sampling` extension object of a response; `constraint` only when the output is
+        constrained (StructuredOutput.to_dict: kind, source field, hash)."""
+        out = {
             "effective": self.effective.sampling_dict(),
             "source": dict(self.source),
             "adjusted": [vars(a) | {} for a in self.adjusted],
         }
+        if self.effective.structured is not None:
+            out["constraint"] = self.effective.structured.to_dict()
+        return out
 
 
 def resolve_layers(
@@ -168,6 +172,7 @@ def resolve(params: SamplingParams, defaults: SamplingDefaults) -> Resolution:
         skip_special_tokens=True
         if params.skip_special_tokens is None
         else params.skip_special_tokens,
+        structured=params.structured,
     )
     return Resolution(effective=effective, source=source, adjusted=tuple(adjusted))
 

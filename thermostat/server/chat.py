@@ -1,4 +1,6 @@
-"""Chat completion responses and stream chunks from a Job's outputs."""
+"""Chat completion responses and stream chunks from a Job's outputs; with tools, each choice's
+text is read for tool calls (server/tools.py) and one that holds whole calls finishes with
+"tool_calls" where it would have finished with "stop"."""
 
 from __future__ import annotations
 
@@ -15,31 +17,54 @@ from thermostat.server.protocol import (
     DeltaMessage,
 )
 from thermostat.server.serving import Job
+from thermostat.server.tools import ToolRequest, ToolStream, tool_calls
 
 
-def chat_response(job: Job, tokens: TokenText) -> ChatCompletionResponse:
+def _end(job: Job, index: int, called: bool) -> dict[str, Any]:
+    end = job.choice_end(index)
+    if called and end["finish_reason"] == "stop":
+        end["finish_reason"] = "tool_calls"
+    return end
+
+
+def chat_response(
+    job: Job, tokens: TokenText, tools: ToolRequest | None = None
+) -> ChatCompletionResponse:
     """The whole response; every choice has finished."""
     choices = []
     for index in range(job.num_choices):
         choice = job.choices[index]
         logprobs = None if choice.logprobs is None else chat_logprobs(choice.logprobs, tokens)
+        message = ChatMessageOut(content=choice.text)
+        if tools is not None and tools.parses:
+            read = tools.parser.read(choice.text)
+            if read.valid:
+                message = ChatMessageOut(content=read.content or None, tool_calls=tool_calls(read))
         choices.append(
             ChatChoice(
                 index=index,
-                message=ChatMessageOut(content=choice.text),
+                message=message,
                 logprobs=logprobs,
                 sampling=job.choice_sampling(index),
-                **job.choice_end(index),
+                **_end(job, index, message.tool_calls is not None),
             )
         )
     return ChatCompletionResponse(choices=choices, **job.final_fields())
 
 
 async def chat_chunks(
-    job: Job, tokens: TokenText, include_usage: bool, continuous_usage: bool = False
+    job: Job,
+    tokens: TokenText,
+    include_usage: bool,
+    continuous_usage: bool = False,
+    tools: ToolRequest | None = None,
 ) -> AsyncIterator[ChatCompletionChunk]:
-    """A role chunk per choice, content deltas, then per choice a chunk with its finish_reason
-    that also carries `sampling` and that choice's `quality`; a usage chunk last if asked."""
+    """A role chunk per choice, content deltas (with tools: content and tool-call deltas),
+    then per choice a chunk with its finish_reason that also carries `sampling` and that
+    choice's `quality`; a usage chunk last if asked."""
+    streams = {}
+    if tools is not None and tools.parses:
+        streams = {i: ToolStream(tools.parser) for i in range(job.num_choices)}
 
     def chunk(choices: list[ChatChunkChoice], **extra: Any) -> ChatCompletionChunk:
         if continuous_usage and choices:
@@ -53,12 +78,16 @@ async def chat_chunks(
     async for index, out in job.events():
         logprobs = None if out.new_logprobs is None else chat_logprobs(out.new_logprobs, tokens)
         delta = DeltaMessage(content=out.new_text) if out.new_text else DeltaMessage()
+        stream = streams.get(index)
+        if stream is not None:
+            delta = stream.feed(out.new_text) or DeltaMessage()
         if not out.finished:
-            if out.new_text or (logprobs and logprobs["content"]):
+            if delta.content or delta.tool_calls or (logprobs and logprobs["content"]):
                 yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs)])
             continue
+        called = stream is not None and stream.called
         final = ChatChunkChoice(
-            index=index, delta=delta, logprobs=logprobs, **job.choice_end(index)
+            index=index, delta=delta, logprobs=logprobs, **_end(job, index, called)
         )
         yield chunk([final], **job.last_chunk_fields(index))
     if include_usage:

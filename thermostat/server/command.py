@@ -17,6 +17,7 @@ from thermostat.sampling.spec import parse_sampling_spec
 from thermostat.server.app import create_app
 from thermostat.server.config import ServerConfig
 from thermostat.server.launch import ThermostatServer
+from thermostat.server.tool_parsers import PARSERS
 
 HELP = "serve a model over the OpenAI API"
 EPILOG = """examples:
@@ -84,6 +85,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="allow",
         choices=["allow", "reject"],
         help="what to do with an explicit temperature 0 (reject: 400 that explains why)",
+    )
+    s.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        help="the tool-call format the model writes (default: by model family: Llama 3 "
+        "llama3_json, Mistral mistral, others hermes)",
     )
     o = p.add_argument_group("operations")
     o.add_argument("--max-queue", type=int, metavar="N", help="503 + Retry-After at N waiting")
@@ -159,6 +166,7 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         disaggregation_mode=args.disaggregation_mode,
         bootstrap_port=args.disaggregation_bootstrap_port,
         disaggregation_timeout_s=args.disaggregation_timeout,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

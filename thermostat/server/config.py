@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from thermostat.engine.config import EngineConfig
 from thermostat.sampling import Policy
+from thermostat.server.tool_parsers import PARSERS
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class ServerConfig:
     disaggregation_mode: Literal["prefill", "decode"] | None = None
     bootstrap_port: int = 8998  # prefill: where decodes claim their KV (SGLang's default)
     disaggregation_timeout_s: float = 60.0  # decode: wait for a room; prefill: keep one
+    tool_call_parser: str | None = None  # server/tool_parsers.py PARSERS; None: by model family
 
     def __post_init__(self) -> None:
         if self.max_queue is not None and self.max_queue < 1:
@@ -41,5 +43,8 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not 0 <= self.bootstrap_port <= 65535:
             raise ValueError(f"bootstrap port must be in [0, 65535], got {self.bootstrap_port}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            names, got = ", ".join(PARSERS), self.tool_call_parser
+            raise ValueError(f"tool call parser must be one of {names}, got {got!r}")
         if self.disaggregation_timeout_s <= 0:
             raise ValueError("disaggregation timeout must be positive")

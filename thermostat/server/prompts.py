@@ -1,7 +1,8 @@
 """Prompts from request bodies: chat messages through the model's chat template, completion
 prompts as text or token ids. Every prompt leaves here as token ids.
 
-Chat: `apply_chat_template(messages, add_generation_prompt=True, tokenize=False)`, then encoded
+Chat: `apply_chat_template(messages, tools=..., add_generation_prompt=True, tokenize=False)`
+(an assistant message's tool calls with their `arguments` parsed from JSON), then encoded
 WITHOUT special tokens (the template already wrote them). Completions: text is encoded with the
 tokenizer's special tokens (a BOS where the model has one), as the engine does for text.
 
@@ -15,6 +16,8 @@ what the tokenizer took).
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +60,12 @@ class PromptBuilder:
                 code="context_length_exceeded",
             )
 
-    def chat_text(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    def chat_text(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[dict[Any, Any]] | None = None,
+    ) -> str:
         if not messages:
             raise APIError(400, "messages must not be empty", param="messages", code="empty")
         for i, message in enumerate(messages):
@@ -77,19 +85,27 @@ class PromptBuilder:
                 code="no_chat_template",
             )
         rendered = [_message_dict(i, m) for i, m in enumerate(messages)]
+        functions: list[dict[Any, Any] | Callable[..., Any]] | None = (
+            None if tools is None else [*tools]
+        )
         self.check_length(sum(len(m["content"]) for m in rendered), "messages")
         try:
             # ignore: transformers types the result as a union; with tokenize=False it is a str
             return self.tokenizer.apply_chat_template(  # type: ignore[return-value]
-                rendered, add_generation_prompt=add_generation_prompt, tokenize=False
+                rendered,
+                tools=functions,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
             )
         except Exception as exc:  # jinja raises for messages the template refuses
             raise APIError(
                 400, f"messages: the chat template refused them: {exc}", param="messages"
             ) from exc
 
-    def chat(self, messages: list[ChatMessage]) -> Prompt:
-        text = self.chat_text(messages)
+    def chat(
+        self, messages: list[ChatMessage], tools: list[dict[Any, Any]] | None = None
+    ) -> Prompt:
+        text = self.chat_text(messages, tools=tools)
         return Prompt(self.tokenizer.encode(text, add_special_tokens=False), text)
 
     def completion(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
@@ -129,4 +145,19 @@ def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
         data["content"] = "".join(texts)
     elif content is None:
         data["content"] = ""
+    calls = data.get("tool_calls")
+    if isinstance(calls, list):  # templates read arguments as a mapping (vLLM does the same)
+        data["tool_calls"] = [_template_call(call) for call in calls]
     return data
+
+
+def _template_call(call: Any) -> Any:
+    """An assistant message's tool call with its JSON `arguments` text parsed."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            return call
+        return call | {"function": function | {"arguments": arguments}}
+    return call

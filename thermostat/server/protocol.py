@@ -46,6 +46,30 @@ class ChatMessage(_Strict):
     content: str | list[ContentPart] | None = None
 
 
+class JsonSchemaFormat(_Strict):
+    """`response_format.json_schema`: OpenAI's structured outputs (`strict` is always so)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` (its newer spelling of the guided_* fields)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 # Fields both generation endpoints accept: the table's body fields, each `T | None = None`.
 # vLLM/SGLang extras (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
 # skip_special_tokens) are plain body fields, sent by the openai client through `extra_body`.
@@ -64,6 +88,13 @@ else:
         stream=(bool | None, None),
         stream_options=(StreamOptions | None, None),
         user=(str | None, None),
+        # structured output (server/request_params.py: structured_output); at most one of them
+        response_format=(ResponseFormat | None, None),
+        guided_json=(dict[str, Any] | str | None, None),
+        guided_regex=(str | None, None),
+        guided_choice=(list[str] | None, None),
+        guided_grammar=(str | None, None),
+        structured_outputs=(StructuredOutputs | None, None),
         # SGLang's router adds these for prefill/decode disaggregation (lists: one per choice)
         bootstrap_host=(str | list[str] | None, None),
         bootstrap_port=(int | list[int] | None, None),
@@ -71,11 +102,36 @@ else:
     )
 
 
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None = any object
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer name; an alias of max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # tool calling (server/tools.py)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -111,9 +167,21 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str  # call_...
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = _omit_none()
 
 
 class ChatChoice(BaseModel):
@@ -137,9 +205,22 @@ class ChatCompletionResponse(BaseModel):
     quality: dict[str, Any]
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = _omit_none()
+    arguments: str | None = _omit_none()  # the next piece of the JSON text
+
+
+class DeltaToolCall(BaseModel):
+    index: int  # of the call in the message
+    id: str | None = _omit_none()  # on a call's first delta, with its type and name
+    type: Literal["function"] | None = _omit_none()
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: str | None = _omit_none()
     content: str | None = _omit_none()
+    tool_calls: list[DeltaToolCall] | None = _omit_none()
 
 
 class ChatChunkChoice(BaseModel):

@@ -9,9 +9,12 @@ and `echo` (which asks for the prompt's logprobs too).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from thermostat.errors import InvalidRequest
 from thermostat.sampling import SamplingParamError, SamplingParams
 from thermostat.sampling.fields import FIELDS
+from thermostat.sampling.structured import ConstraintError, StructuredOutput
 from thermostat.server.protocol import ChatCompletionRequest, CompletionRequest
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI and vLLM allow
@@ -29,10 +32,13 @@ def parse_body(raw: object) -> ChatCompletionRequest | CompletionRequest:
     return ChatCompletionRequest.model_validate({"messages": []} | raw)
 
 
-def to_sampling_params(body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+def to_sampling_params(
+    body: ChatCompletionRequest | CompletionRequest, tools: StructuredOutput | None = None
+) -> SamplingParams:
     """Raises SamplingParamError (naming the field) for what only the HTTP shape can get wrong
     (top_logprobs without logprobs, more alternatives or samples than served). The values
-    themselves are validated once, by `resolve`."""
+    themselves are validated once, by `resolve`. `tools`: the constraint of a forced tool
+    call (server/tools.py), one more output constraint."""
     values = {}
     for field in FIELDS:
         if field.body:
@@ -55,4 +61,60 @@ def to_sampling_params(body: ChatCompletionRequest | CompletionRequest) -> Sampl
         raise SamplingParamError(logprobs_field, f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
     if body.n is not None and body.n > MAX_N:
         raise SamplingParamError("n", f"must be at most {MAX_N}, got {body.n}")
-    return SamplingParams(**values, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    return SamplingParams(
+        **values,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        structured=structured_output(body, tools),
+    )
+
+
+def structured_output(
+    body: ChatCompletionRequest | CompletionRequest, tools: StructuredOutput | None = None
+) -> StructuredOutput | None:
+    """The output constraint the body asks for: OpenAI's `response_format` or one of vLLM's
+    `guided_*` / `structured_outputs` fields, or a forced tool call; at most one may be sent.
+    Raises ConstraintError naming the field for a bad schema, regex or grammar."""
+    asked: list[tuple[str, Callable[[], StructuredOutput]]] = []
+    if tools is not None:
+        asked.append(("tool_choice", lambda: tools))
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        asked.append(("response_format", lambda: StructuredOutput.json_object("response_format")))
+    elif fmt is not None and fmt.type == "json_schema":
+        spec = fmt.json_schema
+        if spec is None or spec.schema_ is None:
+            raise ConstraintError(
+                "response_format", "response_format: json_schema.schema is required"
+            )
+        schema = spec.schema_
+        asked.append(
+            ("response_format", lambda: StructuredOutput.json_schema(schema, "response_format"))
+        )
+    guided = body.structured_outputs
+    prefix = "structured_outputs." if guided is not None else "guided_"
+    json_schema = guided.json_ if guided is not None else body.guided_json
+    regex = guided.regex if guided is not None else body.guided_regex
+    choice = guided.choice if guided is not None else body.guided_choice
+    grammar = guided.grammar if guided is not None else body.guided_grammar
+    if json_schema is not None:
+        param = prefix + "json"
+        asked.append((param, lambda: StructuredOutput.json_schema(json_schema, param)))
+    if regex is not None:
+        asked.append((prefix + "regex", lambda: StructuredOutput.regex(regex, prefix + "regex")))
+    if choice is not None:
+        param_c = prefix + "choice"
+        asked.append((param_c, lambda: StructuredOutput.choice(choice, param_c)))
+    if grammar is not None:
+        param_g = prefix + "grammar"
+        asked.append((param_g, lambda: StructuredOutput.lark(grammar, param_g)))
+    if guided is not None and guided.json_object:
+        param_o = "structured_outputs.json_object"
+        asked.append((param_o, lambda: StructuredOutput.json_object(param_o)))
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if guided is not None and getattr(body, name) is not None:
+            raise ConstraintError(name, f"send {name} or structured_outputs, not both")
+    if len(asked) > 1:
+        names = ", ".join(param for param, _ in asked)
+        raise ConstraintError(asked[1][0], f"send at most one output constraint, got {names}")
+    return asked[0][1]() if asked else None

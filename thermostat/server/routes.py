@@ -36,6 +36,7 @@ from thermostat.server.protocol import (
 from thermostat.server.request_params import parse_body, to_sampling_params
 from thermostat.server.serving import Job
 from thermostat.server.state import ServerState
+from thermostat.server.tools import ToolRequest
 
 router = APIRouter()
 
@@ -143,18 +144,26 @@ async def _submit(
     )
 
 
+def _chat_params(
+    state: ServerState, body: ChatCompletionRequest
+) -> tuple[SamplingParams, ToolRequest | None]:
+    """A chat body's SamplingParams, its forced tool call (if any) one of its constraints."""
+    tools = ToolRequest.of(body, state.tool_parser)
+    return to_sampling_params(body, tools.constraint() if tools else None), tools
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = _state(request)
-    params = to_sampling_params(body)
-    prompt = state.prompts.chat(body.messages)
+    params, tools = _chat_params(state, body)
+    prompt = state.prompts.chat(body.messages, tools.tools if tools else None)
     job = await _submit(request, "chat", body, [prompt], params)
     if isinstance(job, Response):
         return job
     if body.stream:
-        return _sse(request, chat_chunks(job, state.tokens, *_stream_usage(body)))
+        return _sse(request, chat_chunks(job, state.tokens, *_stream_usage(body), tools=tools))
     await job.collect(request)
-    return _json(chat_response(job, state.tokens))
+    return _json(chat_response(job, state.tokens, tools))
 
 
 @router.post("/v1/completions")
@@ -193,7 +202,11 @@ async def sampling_explain(request: Request) -> dict[str, Any]:
         raise validation_error(list(exc.errors())) from exc
     except InvalidRequest as exc:
         raise APIError(400, str(exc), code="invalid_body") from exc
-    resolution = state.serving.explain(body.model, to_sampling_params(body))
+    if isinstance(body, ChatCompletionRequest):
+        params = _chat_params(state, body)[0]
+    else:
+        params = to_sampling_params(body)
+    resolution = state.serving.explain(body.model, params)
     endpoint = "completions" if isinstance(body, CompletionRequest) else "chat"
     return {"model": state.defaults.model, "endpoint": endpoint, "sampling": resolution.to_dict()}
 

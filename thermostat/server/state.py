@@ -29,6 +29,7 @@ from thermostat.server.logprobs import TokenText
 from thermostat.server.metrics import Metrics
 from thermostat.server.prompts import PromptBuilder
 from thermostat.server.serving import Serving
+from thermostat.server.tool_parsers import ToolParser, parser_for
 from thermostat.systemd import notify
 
 log = logging.getLogger("thermostat.server")
@@ -57,6 +58,7 @@ class ServerState:
         self.tokens: TokenText
         self.max_model_len = 0
         self.model_config: dict[str, Any] = {}  # config.json, once loaded
+        self.tool_parser: ToolParser  # the model family's tool-call format, once loaded
         self.role: PrefillRole | DecodeRole | None = None  # a disaggregated server's half
         self._load_task: asyncio.Task[None] | None = None
         self._announced = False
@@ -97,6 +99,7 @@ class ServerState:
         self.tokens = TokenText(engine.tokenizer)
         self.max_model_len = engine.max_model_len
         self.model_config = engine.loaded.config_dict
+        self.tool_parser = parser_for(self.model_config, self.config.tool_call_parser)
         try:
             self.role = await self._role(engine)
         except OSError as exc:  # the bootstrap port is taken

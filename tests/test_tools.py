@@ -1,0 +1,295 @@
+"""Tool calling: the parsers (whole and streamed), the forced-call grammar, and the server's
+tools / tool_choice / parallel_tool_calls through the official openai client, on tiny random
+Qwen3 and Llama models and the demo model, including a multi-turn tool loop."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import pytest
+
+from tests.conftest import write_model
+from tests.server_utils import running_server
+from thermostat.engine.constraint import ConstraintCompiler, allowed_ids
+from thermostat.random_model import build_tokenizer
+from thermostat.server.tool_parsers import PARSERS, parser_for
+from thermostat.server.tools import ToolStream
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"enum": ["C", "F"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED_X = {"type": "function", "function": {"name": "x"}}
+
+SAMPLES = {
+    "hermes": 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris",'
+    ' "unit": "C"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}}'
+    "\n</tool_call>",
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}; '
+    '{"name": "get_time", "parameters": {"zone": 1}}',
+    "mistral": 'Let me check.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": '
+    '"Paris", "unit": "C"}}, {"name": "get_time", "arguments": {"zone": 1}}]',
+}
+
+
+# ---- parsers ----
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_parsers_read_whole_outputs_and_streams_join_to_the_same(name):
+    parser = PARSERS[name]()
+    text = SAMPLES[name]
+    read = parser.read(text)
+    assert read.valid
+    assert [(c.name, json.loads(c.arguments)) for c in read.calls] == [
+        ("get_weather", {"city": "Paris", "unit": "C"}),
+        ("get_time", {"zone": 1}),
+    ]
+    assert read.content == ("" if name == "llama3_json" else "Let me check.")
+    rng = random.Random(0)
+    for _ in range(20):  # random chunkings of the same text
+        stream, content, calls = ToolStream(parser), "", {}
+        i = 0
+        while i < len(text):
+            step = rng.randint(1, 6)
+            delta = stream.feed(text[i : i + step])
+            i += step
+            if delta is None:
+                continue
+            content += delta.content or ""
+            for piece in delta.tool_calls or []:
+                if piece.id is not None:
+                    calls[piece.index] = [piece.function.name, ""]
+                calls[piece.index][1] += piece.function.arguments or ""
+        assert content.rstrip() == read.content
+        assert [tuple(calls[i]) for i in sorted(calls)] == [
+            (c.name, c.arguments) for c in read.calls
+        ]
+
+
+def test_plain_text_is_content_and_not_a_call():
+    for name in PARSERS:
+        read = PARSERS[name]().read("Hello there")
+        assert read.content == "Hello there" and not read.valid
+
+
+def test_parser_by_family_and_override():
+    assert parser_for({"model_type": "qwen3"}).name == "hermes"
+    assert parser_for({"model_type": "llama"}).name == "llama3_json"
+    assert parser_for({"model_type": "mistral"}).name == "mistral"
+    assert parser_for({"model_type": "llama", "thermostat_family": "thermostat-demo"}).name == (
+        "hermes"
+    )
+    assert parser_for({"model_type": "llama"}, "mistral").name == "mistral"
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_forced_call_grammar_only_admits_calls_the_parser_reads(name):
+    """Random walks through each parser's required-call grammar always parse into valid calls
+    of the given tools, with arguments that match their schemas."""
+    from thermostat.server.protocol import ChatCompletionRequest
+    from thermostat.server.tools import ToolRequest
+
+    parser = PARSERS[name]()
+    compiler = ConstraintCompiler(build_tokenizer(), 320, (0,))
+    rng = random.Random(1)
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        for parallel in (True, False):
+            body = ChatCompletionRequest.model_validate(
+                {
+                    "messages": ASK,
+                    "tools": TOOLS,
+                    "tool_choice": choice,
+                    "parallel_tool_calls": parallel,
+                }
+            )
+            request = ToolRequest.of(body, parser)
+            assert request is not None
+            spec = request.constraint()
+            assert spec is not None and spec.kind == "tool_call"
+            for _ in range(10):
+                constraint = compiler.compile(spec)
+                ids: list[int] = []
+                while not constraint.complete and len(ids) < 2000:
+                    token = rng.choice(allowed_ids(constraint.mask(), 320))
+                    assert constraint.advance(token)
+                    ids.append(token)
+                text = compiler.tokenizer.decode([t for t in ids if t != 0])
+                read = parser.read(text)
+                assert read.valid, text
+                if not parallel:
+                    assert len(read.calls) == 1
+                for call in read.calls:
+                    assert call.name == "get_time" or choice == "required"
+                    args = json.loads(call.arguments)
+                    if call.name == "get_time":
+                        assert set(args) == {"zone"} and -12 <= args["zone"] <= 12
+                    else:
+                        assert set(args) == {"city", "unit"} and args["unit"] in "CF"
+
+
+# ---- the server ----
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama", "demo"])
+def server(request, tmp_path_factory):
+    if request.param == "demo":
+        model_dir = "demo"
+    else:
+        model_dir = write_model(tmp_path_factory.mktemp(request.param), request.param)
+    with running_server(model_dir) as s:
+        yield s
+
+
+def _args(call) -> dict:
+    return json.loads(call.function.arguments)
+
+
+def test_required_and_named_tool_choice_streaming_and_not(server):
+    client = server.client()
+    out = client.chat.completions.create(
+        model=server.model,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=200,
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    assert call.function.name in ("get_weather", "get_time")
+    assert isinstance(_args(call), dict)
+    assert out.model_extra["sampling"]["constraint"]["kind"] == "tool_call"
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = client.chat.completions.create(
+        model=server.model, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=200
+    )
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and _args(call)["unit"] in ("C", "F")
+
+    stream = client.chat.completions.create(
+        model=server.model,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice=named,
+        max_tokens=200,
+        seed=3,
+        stream=True,
+    )
+    calls: dict[int, list] = {}
+    finish = None
+    pieces = 0
+    for chunk in stream:
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            for piece in c.delta.tool_calls or []:
+                if piece.id is not None:
+                    assert piece.id.startswith("call_") and piece.type == "function"
+                    calls[piece.index] = [piece.function.name, ""]
+                calls[piece.index][1] += piece.function.arguments or ""
+                pieces += 1
+    assert finish == "tool_calls" and pieces > 2  # the arguments came in pieces
+    ((name, arguments),) = calls.values()
+    assert name == "get_weather" and json.loads(arguments)["unit"] in ("C", "F")
+
+
+def test_auto_and_none_answer_in_text_or_calls(server):
+    client = server.client()
+    for choice in ("auto", "none"):
+        out = client.chat.completions.create(
+            model=server.model,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice=choice,
+            max_tokens=8,
+            temperature=0,
+        )
+        message = out.choices[0].message
+        assert message.content is not None or message.tool_calls
+        if choice == "none":
+            assert message.tool_calls is None
+        assert "constraint" not in out.model_extra["sampling"]
+
+
+def test_a_multi_turn_tool_loop(server):
+    client = server.client()
+    messages: list = list(ASK)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for turn in range(2):
+        out = client.chat.completions.create(
+            model=server.model,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice=named,
+            max_tokens=200,
+        )
+        message = out.choices[0].message
+        (call,) = message.tool_calls
+        messages.append(message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": f"sunny {turn}"})
+    final = client.chat.completions.create(
+        model=server.model, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=5
+    )
+    assert final.choices[0].finish_reason in ("stop", "length")
+    tokens = httpx.post(
+        f"{server.url}/tokenize",
+        json={"messages": messages, "add_generation_prompt": True},
+        timeout=30,
+    )
+    assert tokens.status_code == 200
+
+
+def test_bad_tool_requests_are_400s_naming_the_field(server):
+    url = f"{server.url}/v1/chat/completions"
+    base = {"messages": ASK, "max_tokens": 5}
+    cases = {
+        "tool_choice": {
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "x"}},
+        },
+        "tools": {"tools": [WEATHER, WEATHER]},
+        "response_format": {
+            "tools": TOOLS,
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+    }
+    for param, extra in cases.items():
+        response = httpx.post(url, json=base | extra, timeout=30)
+        assert response.status_code == 400, (param, response.text)
+        assert response.json()["error"]["param"] == param, response.text
+    bad_params = {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}
+    response = httpx.post(url, json=base | {"tools": [bad_params], "tool_choice": "required"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
