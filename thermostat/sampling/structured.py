@@ -18,6 +18,12 @@ JSON whitespace is bounded: between two tokens of the JSON text at most one spac
 newline and up to `MAX_INDENT` spaces of indentation (pretty-printing up to depth 8 at indent
 2). With unlimited whitespace a small model can stall emitting spaces.
 
+A forced tool call's arguments are generated closed (`closed`): an object schema that lists
+`properties` and says nothing of other keys gets `additionalProperties: false`, as xgrammar's
+default `strict_mode` (vLLM's, SGLang's) does. Clients send tools without it (LangChain's
+`bind_tools` unless `strict=True`), and a model free to add keys can spend its whole budget on
+one; the closed outputs are a subset of the schema's, so they still validate.
+
 The response's `sampling.constraint` is `to_dict()`: the kind, the field it came from and the
 first 12 hex digits of the SHA-256 of its source (the schema as canonical JSON, or the text).
 """
@@ -43,6 +49,36 @@ JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False,
     "whitespace_pattern": WHITESPACE,
 }
+
+
+_SCHEMA_KEYS = ("items", "additionalProperties", "additionalItems", "unevaluatedItems", "not",
+                "if", "then", "else", "contains", "propertyNames")  # fmt: skip
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed(schema: Any, close: bool = True) -> Any:
+    """`schema` with `additionalProperties: false` on each object schema that lists
+    `properties` and none of `_OPEN_KEYS`. The members of an `allOf` are not closed (each would
+    refuse the others' properties), their subschemas are."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_KEYS:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(sub) for sub in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed(sub, close=False) for sub in out["allOf"]]
+    if close and isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out
 
 
 class ConstraintError(InvalidRequest):

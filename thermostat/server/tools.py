@@ -11,8 +11,9 @@ The template always sees the tools.
 | `{"function": …}` | one call of that tool                         | tool_calls              |
 
 The constraint is the parser's grammar (server/tool_parsers.py) around a JSON schema of the
-call object (the tool's name as a constant, its parameters' schema), with JSON whitespace
-bounded as for response_format. A choice whose output holds whole calls finishes with
+call object (the tool's name as a constant, its parameters' schema closed: no keys it does not
+list unless it allows them, sampling/structured.py's `closed`), with JSON whitespace bounded as
+for response_format. A choice whose output holds whole calls finishes with
 `finish_reason: "tool_calls"`; each call gets an id `call_<24 hex>`.
 """
 
@@ -22,7 +23,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from thermostat.sampling.structured import JSON_OPTIONS, ConstraintError, StructuredOutput
+from thermostat.sampling.structured import (
+    JSON_OPTIONS,
+    ConstraintError,
+    StructuredOutput,
+    closed,
+)
 from thermostat.server.protocol import (
     ChatCompletionRequest,
     DeltaFunctionCall,
@@ -89,7 +95,7 @@ class ToolRequest:
         for tool in self.tools:
             function = tool["function"]
             if self.choice in ("required", function["name"]):
-                params = function.get("parameters") or {"type": "object"}
+                params = closed(function.get("parameters") or {"type": "object"})
                 calls.append(self.parser.call_object({"const": function["name"]}, params))
         schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
         schema = schema | {"x-guidance": dict(JSON_OPTIONS)}
