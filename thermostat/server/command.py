@@ -14,9 +14,7 @@ import sys
 from thermostat.engine.config import EngineConfig
 from thermostat.sampling import Policy
 from thermostat.sampling.spec import parse_sampling_spec
-from thermostat.server.app import create_app
 from thermostat.server.config import ServerConfig
-from thermostat.server.launch import ThermostatServer
 from thermostat.server.tool_parsers import PARSERS
 
 HELP = "serve a model over the OpenAI API"
@@ -37,37 +35,22 @@ exit status: 0 after a clean shutdown, 1 the model failed to load, 2 bad flags o
 ENGINE_DEFAULTS = EngineConfig()
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="demo", help="model directory, or 'demo' (the default)")
-    p.add_argument("--served-model-name", help="the name clients use (default: directory name)")
+def add_listen_arguments(p: argparse.ArgumentParser) -> None:
+    """--host and --port (serve and gateway)."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    e = p.add_argument_group("engine")
-    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    e.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3"],
-    )
-    e.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS.max_num_seqs)
-    e.add_argument(
-        "--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS.max_num_batched_tokens
-    )
-    e.add_argument(
-        "--kv-cache-memory-gb",
-        type=float,
-        default=ENGINE_DEFAULTS.kv_cache_memory_gb,
-        help="memory for K/V; sets the number of KV blocks",
-    )
-    e.add_argument("--max-model-len", type=int, help="default: the model's context length")
-    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    e.add_argument("--num-threads", type=int, help="torch threads (default: all cores)")
-    e.add_argument(
+
+
+def add_stop_on_loop_argument(g: argparse._ActionsContainer) -> None:
+    g.add_argument(
         "--stop-on-loop",
         action="store_true",
         help="end a generation once it certainly loops (finish_reason stop, stop_reason loop)",
     )
-    s = p.add_argument_group("sampling")
+
+
+def add_policy_arguments(s: argparse._ActionsContainer) -> None:
+    """--sampling-defaults, --min-temperature, --greedy (serve and gateway): see `policy_from`."""
     s.add_argument(
         "--sampling-defaults",
         metavar="SPEC",
@@ -86,13 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["allow", "reject"],
         help="what to do with an explicit temperature 0 (reject: 400 that explains why)",
     )
-    s.add_argument(
-        "--tool-call-parser",
-        choices=sorted(PARSERS),
-        help="the tool-call format the model writes (default: by model family: Llama 3 "
-        "llama3_json, Mistral mistral, others hermes)",
-    )
-    o = p.add_argument_group("operations")
+
+
+def add_operations_arguments(o: argparse._ActionsContainer) -> None:
+    """--max-queue, --api-key, --drain-timeout, --max-body-mb (serve and gateway)."""
     o.add_argument("--max-queue", type=int, metavar="N", help="503 + Retry-After at N waiting")
     o.add_argument(
         "--api-key",
@@ -114,6 +94,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="MB",
         help="request bodies larger than this get a 413 before they are read",
     )
+
+
+def policy_from(args: argparse.Namespace) -> Policy:
+    """The policy of `add_policy_arguments`' flags; raises ValueError for a bad value."""
+    return Policy(min_temperature=args.min_temperature, greedy=args.greedy)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="demo", help="model directory, or 'demo' (the default)")
+    p.add_argument("--served-model-name", help="the name clients use (default: directory name)")
+    add_listen_arguments(p)
+    e = p.add_argument_group("engine")
+    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    e.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3"],
+    )
+    e.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS.max_num_seqs)
+    e.add_argument(
+        "--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS.max_num_batched_tokens
+    )
+    e.add_argument(
+        "--kv-cache-memory-gb",
+        type=float,
+        default=ENGINE_DEFAULTS.kv_cache_memory_gb,
+        help="memory for K/V; sets the number of KV blocks",
+    )
+    e.add_argument("--max-model-len", type=int, help="default: the model's context length")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--num-threads", type=int, help="torch threads (default: all cores)")
+    add_stop_on_loop_argument(e)
+    s = p.add_argument_group("sampling")
+    add_policy_arguments(s)
+    s.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        help="the tool-call format the model writes (default: by model family: Llama 3 "
+        "llama3_json, Mistral mistral, others hermes)",
+    )
+    add_operations_arguments(p.add_argument_group("operations"))
 
     d = p.add_argument_group("disaggregation (behind SGLang's router, smg --pd-disaggregation)")
     d.add_argument(
@@ -158,7 +179,7 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         port=args.port,
         served_model_name=args.served_model_name,
         sampling_defaults=parse_sampling_spec(args.sampling_defaults),
-        policy=Policy(min_temperature=args.min_temperature, greedy=args.greedy),
+        policy=policy_from(args),
         max_queue=args.max_queue,
         api_key=args.api_key,
         drain_timeout_s=args.drain_timeout,
@@ -171,6 +192,9 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    from thermostat.server.app import create_app  # the engine and torch: not for `--help`
+    from thermostat.server.launch import ThermostatServer
+
     try:
         config = config_from(args)
         app = create_app(config)  # reads config.json and generation_config.json; no weights
