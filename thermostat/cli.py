@@ -4,7 +4,6 @@ A subcommand module exposes `HELP` (one line), `EPILOG` (examples), `add_argumen
 `run(args) -> int`; registering it is one line in COMMANDS. Exit status: 0 success, 1 a failure
 or finding at run time, 2 bad usage or configuration.
 
-Planned: gateway.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "bench": "thermostat.commands.bench",
     "pd": "thermostat.disagg.launcher",
     "systemd": "thermostat.systemd",
+    "gateway": "thermostat.gateway.command",
 }
 
 

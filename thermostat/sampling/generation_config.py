@@ -33,8 +33,11 @@ class GenerationConfigDefaults:
 
 
 def read_generation_config(model_dir: str | Path) -> GenerationConfigDefaults:
-    """Parse `model_dir/generation_config.json`; a missing file gives empty defaults."""
-    path = Path(model_dir) / FILENAME
+    """Parse `model_dir/generation_config.json` (or `model_dir` itself when it is a file, as
+    the gateway's --generation-config names one); a missing file gives empty defaults."""
+    path = Path(model_dir)
+    if not path.is_file():
+        path = path / FILENAME
     if not path.is_file():
         return GenerationConfigDefaults(path=None)
     try:

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from thermostat.server.errors import APIError, error_response
 
 if TYPE_CHECKING:
-    from thermostat.server.state import ServerState
+    from thermostat.server.middleware import GatedState
 
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest a handful of levels (messages -> content parts)
 
@@ -99,7 +99,7 @@ def check_body(body: bytes) -> APIError | None:
 
 
 class BodyLimitsMiddleware:
-    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+    def __init__(self, app: ASGIApp, state: GatedState) -> None:
         self.app = app
         self.state = state
 

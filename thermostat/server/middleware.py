@@ -14,21 +14,39 @@ A request admitted before draining began runs to the end: the drain waits for it
 from __future__ import annotations
 
 import hmac
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from thermostat.server.errors import APIError, error_response
+from thermostat.server.metrics import Metrics
 
-if TYPE_CHECKING:
-    from thermostat.server.state import ServerState
+
+class GateConfig(Protocol):
+    @property
+    def api_key(self) -> str | None: ...
+    @property
+    def max_body_bytes(self) -> int: ...
+
+
+class GatedState(Protocol):
+    """What the gate (and BodyLimitsMiddleware) read: the server's state or the gateway's."""
+
+    @property
+    def config(self) -> GateConfig: ...
+    @property
+    def status(self) -> str: ...
+    @property
+    def route_paths(self) -> set[str]: ...
+    @property
+    def metrics(self) -> Metrics: ...
 
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache", "/flush_cache")
 ALWAYS_SERVED = ("/health", "/metrics")
 
 
 class GateMiddleware:
-    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+    def __init__(self, app: ASGIApp, state: GatedState) -> None:
         self.app = app
         self.state = state
 

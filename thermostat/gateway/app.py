@@ -1,0 +1,25 @@
+"""The gateway's FastAPI app: `create_gateway_app(GatewayConfig)`. Serve's error handlers, API
+key gate and body limits, in front of one upstream."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from thermostat.gateway.config import GatewayConfig
+from thermostat.gateway.routes import router
+from thermostat.gateway.state import GatewayState
+from thermostat.server.body_limits import BodyLimitsMiddleware
+from thermostat.server.errors import install_error_handlers
+from thermostat.server.middleware import GateMiddleware
+
+
+def create_gateway_app(config: GatewayConfig) -> FastAPI:
+    state = GatewayState(config)
+    app = FastAPI(title="Thermostat gateway", lifespan=state.lifespan)
+    app.state.thermostat = state
+    install_error_handlers(app)
+    app.include_router(router)
+    state.route_paths = {getattr(route, "path", "") for route in app.routes}
+    app.add_middleware(BodyLimitsMiddleware, state=state)
+    app.add_middleware(GateMiddleware, state=state)
+    return app

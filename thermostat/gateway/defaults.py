@@ -1,0 +1,212 @@
+"""The gateway's layers and the resolution of one request, with the upstream as a layer.
+
+Layers, highest first (the first that sets a field wins):
+
+| source            | from                                                           |
+|-------------------|----------------------------------------------------------------|
+| request           | the client's body                                              |
+| operator          | the gateway's --sampling-defaults                              |
+| recommended       | the family's values, when the operator opts in                 |
+| generation_config | --generation-config / --model, or the upstream's report of it  |
+| upstream          | the upstream's own defaults as it reports them (llama.cpp /props) |
+| builtin           | neutral values; only when the model's generation_config is known |
+
+When the generation_config is not known, a field no layer sets is left to the upstream: its
+source is `upstream`, its effective value `null`, and it is not sent. Every other value is sent
+explicitly, so the upstream's defaults decide nothing silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from thermostat.gateway.discovery import UpstreamInfo
+from thermostat.gateway.kinds import KINDS, UpstreamKind
+from thermostat.sampling import (
+    LAYERED_FIELDS,
+    Adjustment,
+    Policy,
+    Resolution,
+    SamplingDefaults,
+    SamplingParamError,
+    SamplingParams,
+    resolve,
+)
+from thermostat.sampling.defaults import build_sampling_defaults
+from thermostat.sampling.fields import BUILTIN
+from thermostat.sampling.generation_config import GenerationConfigDefaults
+from thermostat.sampling.recommendations import recommendation_for
+from thermostat.server.defaults import ServerDefaults
+
+
+@dataclass(frozen=True)
+class UpstreamLayered(SamplingDefaults):
+    """SamplingDefaults with the upstream's reported defaults between generation_config and
+    builtin."""
+
+    upstream: Mapping[str, Any] = field(default_factory=dict)
+
+    def layers(self) -> list[tuple[str, Mapping[str, Any]]]:
+        *above, builtin = super().layers()
+        return [*above, ("upstream", self.upstream), builtin]
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """One request's resolution as the gateway applies it: `unknown` fields are the
+    upstream's to decide (not sent)."""
+
+    resolution: Resolution
+    unknown: frozenset[str] = frozenset()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `sampling` object of a response."""
+        out = self.resolution.to_dict()
+        for name in self.unknown:
+            out["effective"][name] = None
+            out["source"][name] = "upstream"
+        return out
+
+    def sent(self, kind: UpstreamKind) -> dict[str, Any]:
+        """The layered fields, max_tokens and seed as the upstream names them."""
+        eff = self.resolution.effective
+        values = {n: getattr(eff, n) for n in LAYERED_FIELDS if n not in self.unknown}
+        values["max_tokens"] = eff.max_tokens
+        if eff.seed is not None:
+            values["seed"] = eff.seed
+        pairs = [kind.wire(n, v) for n, v in values.items() if kind.supports(n)]
+        return dict(pairs)
+
+
+@dataclass(frozen=True)
+class GatewayDefaults:
+    info: UpstreamInfo
+    server: ServerDefaults  # the layers and the report, as `serve` makes them
+    kind: UpstreamKind
+
+    @classmethod
+    def build(
+        cls,
+        info: UpstreamInfo,
+        operator: dict[str, Any] | str | None,
+        policy: Policy,
+        default_max_tokens: int = 256,
+    ) -> GatewayDefaults:
+        """Raises ValueError for a `recommended` without a known family."""
+        gen = info.generation_config or GenerationConfigDefaults(path=None)
+        base = build_sampling_defaults(gen.values, info.model_config, operator, policy)
+        layered = UpstreamLayered(
+            operator=base.operator,
+            recommended=base.recommended,
+            generation_config=base.generation_config,
+            policy=policy,
+            default_max_tokens=default_max_tokens,
+            upstream=dict(info.reported),
+        )
+        server = ServerDefaults(info.model, layered, gen, recommendation_for(info.model_config))
+        return cls(info, server, KINDS[info.kind])
+
+    @property
+    def known(self) -> bool:
+        """The model's generation_config.json is known (so builtin values apply)."""
+        return self.info.generation_config is not None
+
+    def resolve(self, params: SamplingParams) -> Resolved:
+        """Resolve as `serve` does, then leave unknown fields to the upstream and drop what
+        the kind cannot take (400 if the client sent it, else an adjustment)."""
+        resolution = resolve(params, self.server.defaults)
+        unknown = frozenset(
+            n for n, s in resolution.source.items() if s == "builtin" and not self.known
+        )
+        return Resolved(self._supported(resolution, params), unknown)
+
+    def _supported(self, resolution: Resolution, params: SamplingParams) -> Resolution:
+        eff, dropped, adjusted = resolution.effective, {}, list(resolution.adjusted)
+        for name in LAYERED_FIELDS:
+            value = getattr(eff, name)
+            if self.kind.supports(name) or self.kind.neutral(name, value):
+                continue
+            if resolution.source[name] == "request":
+                raise SamplingParamError(
+                    name, f"the upstream ({self.kind.name}) does not support it"
+                )
+            dropped[name] = BUILTIN[name]
+            adjusted.append(Adjustment(name, value, BUILTIN[name], "upstream_unsupported"))
+        for name in sorted(self.kind.unsupported - set(LAYERED_FIELDS)):
+            if getattr(params, name, None) not in (None, False):
+                raise SamplingParamError(
+                    name, f"the upstream ({self.kind.name}) does not support it"
+                )
+        if not dropped:
+            return resolution
+        return dataclasses.replace(
+            resolution,
+            effective=dataclasses.replace(eff, **dropped),
+            adjusted=tuple(adjusted),
+        )
+
+    def baseline(self) -> Resolved:
+        return self.resolve(SamplingParams())
+
+    def warnings(self) -> list[str]:
+        found = self.server.warnings()
+        base = self.baseline()
+        if base.unknown:
+            names = ", ".join(sorted(base.unknown))
+            found.insert(
+                0,
+                f"the gateway does not know the upstream's defaults for {names}: requests that "
+                "omit them get what the upstream decides (source 'upstream'); give "
+                "--generation-config PATH or --model DIR, or set them with --sampling-defaults",
+            )
+            policy = self.server.defaults.policy
+            if "temperature" in base.unknown and policy.min_temperature is not None:
+                found.append(
+                    "--min-temperature applies to temperatures the gateway resolves; one "
+                    "omitted and left to the upstream is not seen"
+                )
+        return found
+
+    def to_dict(self) -> dict[str, Any]:
+        """The body of GET /v1/sampling/defaults (serve's, plus `upstream`)."""
+        out = self.server.to_dict()
+        sampling = self.baseline().to_dict()
+        out.update(
+            effective=sampling["effective"], source=sampling["source"],
+            adjusted=sampling["adjusted"], warnings=self.warnings(),
+        )  # fmt: skip
+        if not self.known:
+            out["generation_config"] = None
+        out["upstream"] = {
+            "kind": self.info.kind,
+            "reported": dict(self.info.reported),
+            "generation_config_known": self.known,
+            "notes": list(self.info.notes),
+        }
+        return out
+
+    def render_table(self) -> str:
+        base = self.baseline().to_dict()
+        table = Table(title=f"Sampling defaults for {self.info.model} via a {self.info.kind} "
+                      "upstream (requests that omit a field)")  # fmt: skip
+        for column in ("parameter", "effective", "source", "sent upstream"):
+            table.add_column(column)
+        for name in LAYERED_FIELDS:
+            value = base["effective"][name]
+            sent = "no (the upstream decides)" if value is None else "yes"
+            if not self.kind.supports(name):
+                sent = f"no ({self.kind.name} lacks it)"
+            table.add_row(name, "unknown" if value is None else str(value),
+                          base["source"][name], sent)  # fmt: skip
+        policy = self.server.defaults.policy
+        table.caption = f"policy: min_temperature={policy.min_temperature}, greedy={policy.greedy}"
+        console = Console(file=io.StringIO(), width=110, color_system=None)
+        console.print(table)
+        return console.file.getvalue()  # type: ignore[attr-defined]

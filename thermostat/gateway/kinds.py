@@ -1,0 +1,64 @@
+"""Upstream kinds: how each names the sampling fields, and which it cannot take.
+
+| kind       | top_k           | min_p | repetition_penalty | refused when sent         |
+|------------|-----------------|-------|--------------------|---------------------------|
+| thermostat | top_k           | min_p | repetition_penalty | -                         |
+| vllm       | top_k           | min_p | repetition_penalty | -                         |
+| sglang     | top_k           | min_p | repetition_penalty | -                         |
+| llamacpp   | top_k (off = 0) | min_p | repeat_penalty     | NOT_OPENAI                |
+| openai     | -               | -     | -                  | NOT_OPENAI, ignore_eos    |
+
+vLLM and SGLang take top_k, min_p and repetition_penalty as extra body fields; llama-server
+reads `repeat_penalty` and turns top-k off with 0 (tools/server/README.md of llama.cpp). A
+layered field a kind lacks is refused (400) when the client sent a non-neutral value, and
+otherwise dropped and reported in `sampling.adjusted` (policy `upstream_unsupported`).
+NOT_OPENAI: min_tokens, stop_token_ids, skip_special_tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from thermostat.sampling.fields import BUILTIN
+
+
+@dataclass(frozen=True)
+class UpstreamKind:
+    name: str
+    renames: dict[str, str] = field(default_factory=dict)  # our field name -> the upstream's
+    unsupported: frozenset[str] = frozenset()
+    top_k_off: int = -1  # the value that turns top-k off upstream
+
+    def supports(self, name: str) -> bool:
+        return name not in self.unsupported
+
+    def wire(self, name: str, value: Any) -> tuple[str, Any]:
+        """The upstream's name and value of one of our fields."""
+        if name == "top_k" and value == -1:
+            value = self.top_k_off
+        return self.renames.get(name, name), value
+
+    @staticmethod
+    def neutral(name: str, value: Any) -> bool:
+        """The value changes nothing (top_k -1, min_p 0, repetition_penalty 1)."""
+        return name in BUILTIN and value == BUILTIN[name]
+
+
+NOT_OPENAI = frozenset({"min_tokens", "stop_token_ids", "skip_special_tokens"})
+
+KINDS: dict[str, UpstreamKind] = {
+    "thermostat": UpstreamKind("thermostat"),
+    "vllm": UpstreamKind("vllm"),
+    "sglang": UpstreamKind("sglang"),
+    "llamacpp": UpstreamKind(
+        "llamacpp",
+        renames={"repetition_penalty": "repeat_penalty"},
+        unsupported=NOT_OPENAI,
+        top_k_off=0,
+    ),
+    "openai": UpstreamKind(
+        "openai",
+        unsupported=NOT_OPENAI | {"top_k", "min_p", "repetition_penalty", "ignore_eos"},
+    ),
+}

@@ -1,0 +1,170 @@
+"""The gateway's routes. Generation routes parse the body with serve's protocol models, resolve
+it with serve's resolver (`GatewayDefaults.resolve`), send the effective values upstream
+(`forward.upstream_body`) and pass the answer on annotated (relay.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from thermostat.errors import InvalidRequest
+from thermostat.gateway.forward import until_disconnected, upstream_body
+from thermostat.gateway.relay import StreamAnnotator, annotate
+from thermostat.gateway.state import GatewayState
+from thermostat.gateway.upstream import UpstreamError
+from thermostat.sampling import GreedyRejected
+from thermostat.server.errors import APIError, classify, error_body, validation_error
+from thermostat.server.protocol import ChatCompletionRequest, CompletionRequest
+from thermostat.server.request_params import parse_body, to_sampling_params
+
+router = APIRouter()
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+def _state(request: Request) -> GatewayState:
+    return request.app.state.thermostat
+
+
+def _count(state: GatewayState, err: APIError) -> None:
+    if isinstance(err, UpstreamError):
+        state.metrics.upstream_errors.labels(err.kind).inc()
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 once the upstream answered discovery; 503 before, while draining or failed."""
+    status = _state(request).status
+    return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    return Response(_state(request).metrics.render_gateway(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> Response:
+    """The upstream's answer, as it is."""
+    state = _state(request)
+    try:
+        r = await state.upstream.get_raw("/v1/models")
+    except APIError as err:
+        _count(state, err)
+        raise
+    kind = r.headers.get("content-type", "application/json")
+    return Response(r.content, status_code=r.status_code, media_type=kind)
+
+
+@router.get("/v1/sampling/defaults")
+async def sampling_defaults(request: Request) -> dict[str, Any]:
+    return _state(request).defaults.to_dict()
+
+
+@router.post("/v1/sampling/explain")
+async def sampling_explain(request: Request) -> dict[str, Any]:
+    """The gateway's resolution of a body (what it would send upstream), without generating."""
+    state = _state(request)
+    try:
+        raw = json.loads(await request.body())
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"malformed JSON body: {exc}", code="json_invalid") from exc
+    try:
+        body = parse_body(raw)
+    except ValidationError as exc:
+        raise validation_error(list(exc.errors())) from exc
+    except InvalidRequest as exc:
+        raise APIError(400, str(exc), code="invalid_body") from exc
+    resolved = state.defaults.resolve(to_sampling_params(body))
+    endpoint = "completions" if isinstance(body, CompletionRequest) else "chat"
+    return {
+        "model": state.defaults.info.model,
+        "endpoint": endpoint,
+        "sampling": resolved.to_dict(),
+        "upstream": {"kind": state.defaults.kind.name, "sent": resolved.sent(state.defaults.kind)},
+    }
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await _generate(request, "chat", body)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await _generate(request, "completions", body)
+
+
+async def _generate(
+    request: Request, endpoint: str, body: ChatCompletionRequest | CompletionRequest
+) -> Response:
+    state = _state(request)
+    try:
+        resolved = state.defaults.resolve(to_sampling_params(body))
+    except GreedyRejected:
+        state.metrics.adjustments.labels("greedy_reject").inc()
+        raise
+    state.metrics.on_admitted(resolved.resolution, 0)
+    raw = await request.json()
+    sent = upstream_body(raw, resolved, state.defaults)
+    sampling = resolved.to_dict()
+    if body.stream:
+        return await _stream(state, PATHS[endpoint], sent, sampling)
+    with state.admitted() as start:
+        try:
+            data = await until_disconnected(state.upstream.post(PATHS[endpoint], sent), request)
+        except APIError as err:
+            _count(state, err)
+            raise
+        state.metrics.upstream_latency.observe(state.upstream.last_latency_s)
+        for report in annotate(data, sampling):
+            state.metrics.on_quality(report)
+        state.metrics.e2e.observe(time.monotonic() - start)
+    return JSONResponse(data)
+
+
+async def _stream(
+    state: GatewayState, path: str, sent: dict[str, Any], sampling: dict[str, Any]
+) -> Response:
+    """The upstream stream is opened before answering, so a refusal before its first byte
+    (a 4xx, 502, 504) is a plain error answer; after that, errors are in-band."""
+    admitted = contextlib.ExitStack()
+    start = admitted.enter_context(state.admitted())
+    try:
+        response = await state.upstream.stream(path, sent)
+    except APIError as err:
+        admitted.close()
+        _count(state, err)
+        raise
+    state.metrics.upstream_latency.observe(state.upstream.last_latency_s)
+    annotator = StreamAnnotator(sampling, state.config.stop_on_loop)
+
+    async def events() -> AsyncIterator[str]:
+        first = True
+        try:
+            async for chunk in annotator.run(state.upstream.events(response)):
+                if first and annotator.first_content:
+                    state.metrics.ttft.observe(time.monotonic() - start)
+                    first = False
+                yield f"data: {json.dumps(chunk)}\n\n"
+            for report in annotator.reports:
+                state.metrics.on_quality(report)
+        except APIError as err:  # after the 200 went out: in-band, then end the stream
+            _count(state, err)
+            yield f"data: {json.dumps(error_body(classify(err)))}\n\n"
+        finally:
+            await response.aclose()  # a client gone, a loop cut: the upstream stops too
+            admitted.close()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(
+        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )

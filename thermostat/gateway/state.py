@@ -1,0 +1,151 @@
+"""The gateway's lifecycle and what it holds.
+
+    loading ──(the upstream answered discovery)──► ready ──(SIGTERM)──► draining
+        └──(its defaults cannot apply: a bad `recommended`)──► failed
+
+While the upstream does not answer, discovery is retried and /health answers 503; once ready,
+an upstream that goes down is a 502 per request, not a change of status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
+
+from thermostat.gateway.config import GatewayConfig
+from thermostat.gateway.defaults import GatewayDefaults
+from thermostat.gateway.discovery import UpstreamInfo, discover
+from thermostat.gateway.metrics import GatewayMetrics
+from thermostat.gateway.upstream import Upstream
+from thermostat.sampling.generation_config import read_generation_config
+from thermostat.server.errors import APIError
+
+log = logging.getLogger("thermostat.gateway")
+
+Status = Literal["loading", "ready", "draining", "failed"]
+
+
+class GatewayState:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self.status: Status = "loading"
+        self.route_paths: set[str] = set()
+        self.address: str | None = None
+        self.on_fatal: Callable[[], None] = lambda: None
+        self.upstream = Upstream(
+            config.upstream, config.upstream_api_key, config.upstream_timeout_s
+        )
+        self.defaults: GatewayDefaults  # set once ready
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task[None] | None = None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _app: Any) -> AsyncIterator[None]:
+        self._task = asyncio.create_task(self._discover())
+        try:
+            yield
+        finally:
+            self.begin_draining()
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            await self.drain()
+            await self.upstream.close()
+
+    async def _discover(self) -> None:
+        cfg = self.config
+        warned = False
+        while True:
+            try:
+                info = await discover(self.upstream, cfg.upstream_kind)
+                break
+            except APIError as err:
+                if not warned:
+                    log.warning("upstream %s: %s; retrying", cfg.upstream, err.info.message)
+                    warned = True
+                await asyncio.sleep(cfg.discovery_retry_s)
+        self._from_flags(info)
+        try:
+            self.defaults = GatewayDefaults.build(info, cfg.sampling_defaults, cfg.policy)
+        except ValueError as exc:
+            log.error("sampling defaults cannot apply: %s; exiting", exc)
+            self.status = "failed"
+            self.on_fatal()
+            return
+        self.report()
+        if self.status == "loading":
+            self.status = "ready"
+        self._announce()
+
+    def _from_flags(self, info: UpstreamInfo) -> None:
+        """--generation-config / --model beat what the upstream said."""
+        path = self.config.generation_config
+        if path is None:
+            return
+        info.generation_config = read_generation_config(path)
+        config_json = (path if path.is_dir() else path.parent) / "config.json"
+        if config_json.is_file():
+            info.model_config = json.loads(config_json.read_text())
+        info.notes.insert(0, f"generation_config.json from {path} (flag)")
+
+    def report(self) -> None:
+        """The startup report: what the gateway knows, each default with its source."""
+        d = self.defaults
+        log.info("upstream %s: kind %s, model %r", self.config.upstream, d.info.kind, d.info.model)
+        for note in d.info.notes:
+            log.info("upstream: %s", note)
+        log.info("sampling defaults\n%s", d.render_table().rstrip())
+        for warning in d.warnings():
+            log.warning("sampling: %s", warning)
+
+    def mark_listening(self, address: str) -> None:
+        self.address = address
+        self._announce()
+
+    def _announce(self) -> None:
+        if self.status == "ready" and self.address:
+            log.info("ready: gateway to %s at %s (OpenAI API under %s/v1)",
+                     self.config.upstream, self.address, self.address)  # fmt: skip
+
+    def begin_draining(self) -> None:
+        if self.status in ("loading", "ready"):
+            self.status = "draining"
+            log.info("draining: refusing new requests, finishing those in flight")
+
+    @contextlib.contextmanager
+    def admitted(self) -> Any:
+        """One request in flight (drain waits for it); 503 at --max-queue."""
+        limit = self.config.max_queue
+        if limit is not None and self.in_flight >= limit:
+            raise APIError(
+                503,
+                f"the gateway has {self.in_flight} requests in flight (--max-queue); retry",
+                type="server_error",
+                code="queue_full",
+                headers={"Retry-After": str(self.config.retry_after_s)},
+            )
+        self.in_flight += 1
+        self.metrics.running.set(self.in_flight)
+        self._idle.clear()
+        start = time.monotonic()
+        try:
+            yield start
+        finally:
+            self.in_flight -= 1
+            self.metrics.running.set(self.in_flight)
+            if self.in_flight == 0:
+                self._idle.set()
+
+    async def drain(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), self.config.drain_timeout_s)
+        if self.in_flight:
+            log.warning("drain timed out with %d requests in flight", self.in_flight)
