@@ -1,0 +1,450 @@
+"""`thermostat gateway` against real upstreams on loopback: Thermostat's own server configured to
+be greedy by default (the case), llama.cpp's llama-server when THERMOSTAT_LLAMA_SERVER names a
+binary, and a small scripted upstream for the failures (down, slow, garbage, endless streams)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from tests.conftest import write_model
+from tests.server_utils import running_server
+from thermostat.cli import main
+from thermostat.gateway import GatewayConfig, create_gateway_app
+from thermostat.gateway.launch import GatewayServer
+from thermostat.sampling import LAYERED_FIELDS, Policy
+
+REPO = Path(__file__).resolve().parents[1]
+# The case: the model file says greedy, and the server follows it for omitted fields.
+GREEDY_FILE = {"do_sample": False, "temperature": 0.0, "top_p": 1.0, "eos_token_id": 0}
+PROMPT = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+@contextlib.contextmanager
+def running_gateway(upstream: str, **options: Any) -> Iterator[str]:
+    """A gateway in front of `upstream` on a free loopback port until the block ends."""
+    config = GatewayConfig(upstream=upstream, port=0, **options)
+    server = GatewayServer(create_gateway_app(config), config, log_level="warning")
+    thread = threading.Thread(target=server.run, name="test-gateway", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not (server.state.address and server.state.status == "ready"):
+        assert time.monotonic() < deadline and thread.is_alive(), "the gateway did not start"
+        time.sleep(0.05)
+    try:
+        yield server.state.address
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the gateway did not stop"
+
+
+# ---- a scripted upstream: the request's `model` picks the behaviour ----
+
+
+class Scripted:
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.keys: list[str | None] = []  # the Authorization header of each request
+        self.closed = threading.Event()  # an endless stream was closed by its client
+        self.app = FastAPI()
+        self.app.get("/v1/models")(self.models)
+        self.app.post("/v1/chat/completions")(self.chat)
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": "scripted", "object": "model"}]}
+
+    async def chat(self, request: Request) -> Any:
+        body = await request.json()
+        self.bodies.append(body)
+        self.keys.append(request.headers.get("authorization"))
+        mode = body.get("model")
+        if mode == "slow":
+            await asyncio.sleep(30)
+        if mode == "garbage":
+            return PlainTextResponse("<html>502 from some proxy</html>")
+        if mode in ("forever", "loop"):
+            return StreamingResponse(self._stream(mode), media_type="text/event-stream")
+        message = {"role": "assistant", "content": "a calm and quiet sea"}
+        choice = {"index": 0, "message": message, "finish_reason": "stop"}
+        return JSONResponse(
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "scripted",
+                "choices": [choice],
+            }
+        )
+
+    async def _stream(self, mode: str):
+        try:
+            for i in range(10_000):
+                text = "the cat sat on the mat. " if mode == "loop" else f"word{i} "
+                chunk = {
+                    "id": "x",
+                    "object": "chat.completion.chunk",
+                    "created": 0,
+                    "model": mode,
+                    "choices": [{"index": 0, "delta": {"content": text}}],
+                }
+                yield f"data: {json.dumps(chunk)}\n\n"
+                await asyncio.sleep(0.02)
+        finally:
+            self.closed.set()
+
+
+@contextlib.contextmanager
+def scripted_upstream() -> Iterator[tuple[str, Scripted, uvicorn.Server]]:
+    scripted = Scripted()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            scripted.app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=1
+        )
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not (server.started and server.servers):
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", scripted, server
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+# ---- fixtures ----
+
+
+@pytest.fixture(scope="module")
+def greedy_model(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("greedy"), "llama", generation_config=GREEDY_FILE)
+
+
+@pytest.fixture(scope="module")
+def upstream(greedy_model):
+    with running_server(greedy_model) as server:
+        yield server
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="client-key", max_retries=0, timeout=60)
+
+
+# ---- in front of Thermostat, greedy by default ----
+
+
+def test_discovers_a_thermostat_upstream_and_reports_its_defaults(upstream):
+    with running_gateway(upstream.url, sampling_defaults={"temperature": 0.7}) as url:
+        report = httpx.get(f"{url}/v1/sampling/defaults").json()
+        models = httpx.get(f"{url}/v1/models").json()
+    assert report["upstream"]["kind"] == "thermostat"
+    assert report["upstream"]["generation_config_known"]
+    assert report["effective"]["temperature"] == 0.7
+    assert report["source"]["temperature"] == "operator"
+    assert report["source"]["top_p"] == "generation_config"
+    assert report["source"]["top_k"] == "builtin"
+    assert models["data"][0]["id"] == upstream.model
+
+
+def test_operator_defaults_win_and_go_upstream_explicitly(upstream):
+    defaults = {"temperature": 0.7, "top_p": 0.9}
+    with running_gateway(upstream.url, sampling_defaults=defaults) as url:
+        out = client(url).chat.completions.create(
+            model=upstream.model, messages=PROMPT, max_tokens=8
+        )
+    sampling = out.model_extra["sampling"]
+    assert sampling["effective"]["temperature"] == 0.7
+    assert sampling["source"]["temperature"] == "operator"
+    assert sampling["source"]["top_p"] == "operator"
+    assert sampling["source"]["min_p"] == "builtin"
+    # what the upstream got: every layered value explicit, so its own defaults decided nothing
+    theirs = sampling["upstream"]
+    assert {theirs["source"][name] for name in LAYERED_FIELDS} == {"request"}
+    assert theirs["effective"]["temperature"] == 0.7
+    assert theirs["effective"]["top_p"] == 0.9
+    assert out.choices[0].model_extra["quality"]["degenerate"] in (True, False)
+    assert out.model_extra["quality"]["signals"]
+
+
+def test_min_temperature_raises_an_explicit_zero(upstream):
+    with running_gateway(upstream.url, policy=Policy(min_temperature=0.3)) as url:
+        out = client(url).completions.create(
+            model=upstream.model, prompt="Once upon", max_tokens=6, temperature=0
+        )
+        metrics = httpx.get(f"{url}/metrics").text
+    sampling = out.model_extra["sampling"]
+    assert sampling["effective"]["temperature"] == 0.3
+    assert sampling["adjusted"] == [
+        {"param": "temperature", "requested": 0.0, "applied": 0.3, "policy": "min_temperature"}
+    ]
+    assert sampling["upstream"]["effective"]["temperature"] == 0.3
+    assert 'thermostat_policy_adjustments_total{policy="min_temperature"} 1.0' in metrics
+    assert 'thermostat_requests_by_temperature_source_total{source="request"} 1.0' in metrics
+
+
+def test_greedy_reject_is_a_400_that_never_reaches_the_upstream(upstream):
+    with running_gateway(upstream.url, policy=Policy(greedy="reject")) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": PROMPT, "temperature": 0})
+        metrics = httpx.get(f"{url}/metrics").text
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "greedy_rejected"
+    assert r.json()["error"]["param"] == "temperature"
+    assert 'thermostat_policy_adjustments_total{policy="greedy_reject"} 1.0' in metrics
+
+
+def test_stream_final_chunk_carries_sampling_and_quality(upstream):
+    with running_gateway(upstream.url, sampling_defaults={"temperature": 0.8}) as url:
+        chunks = list(
+            client(url).chat.completions.create(
+                model=upstream.model,
+                messages=PROMPT,
+                max_tokens=12,
+                stream=True,
+                seed=3,
+                stream_options={"include_usage": True},
+            )
+        )
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1
+    final = finals[0]
+    assert final.model_extra["sampling"]["effective"]["temperature"] == 0.8
+    assert final.model_extra["sampling"]["effective"]["seed"] == 3
+    assert final.model_extra["sampling"]["upstream"]["source"]["temperature"] == "request"
+    assert "degenerate" in final.model_extra["quality"]
+    assert final.choices[0].model_extra["quality"] == final.model_extra["quality"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    before = [c for c in chunks if c is not final]
+    assert all("sampling" not in (c.model_extra or {}) for c in before)
+
+
+def test_verify_passes_through_the_gateway_where_it_fails_direct(upstream, capsys):
+    direct = main(
+        ["verify", upstream.url, "--endpoint", "completions", "--max-tokens", "12", "--json"]
+    )
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert direct == 1 and checks["default-sampling"]["status"] == "fail"
+    with running_gateway(upstream.url, sampling_defaults={"temperature": 0.8}) as url:
+        code = main(["verify", url, "--endpoint", "completions", "--max-tokens", "12", "--json"])
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert checks["default-sampling"]["status"] == "pass"
+    assert "operator" in checks["default-sampling"]["detail"]
+    assert checks["greedy"]["status"] == "pass" and checks["seed"]["status"] == "pass"
+    assert checks["defaults"]["status"] == "info"
+    # random weights write noise that may or may not look degenerate (as in test_commands)
+    assert code == (1 if checks["degeneration"]["status"] == "fail" else 0)
+
+
+def test_gateway_runs_where_torch_cannot_be_imported(upstream):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from thermostat.cli import main\n"
+        f"sys.exit(main(['gateway', '--upstream', {upstream.url!r}, '--port', '{port}',"
+        " '--sampling-defaults', 'temperature=0.9', '--drain-timeout', '5']))\n"
+    )
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "the torch-free gateway did not become ready"
+            time.sleep(0.1)
+        out = client(url).chat.completions.create(
+            model=upstream.model, messages=PROMPT, max_tokens=4
+        )
+        assert out.model_extra["sampling"]["effective"]["temperature"] == 0.9
+        assert out.model_extra["sampling"]["source"]["temperature"] == "operator"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+    log = proc.stderr.read() if proc.stderr else ""
+    assert code == 0, log
+    assert "Sampling defaults for" in log and "kind thermostat" in log
+
+
+# ---- the upstream failing, and unknown defaults (the scripted upstream) ----
+
+
+def test_unknown_defaults_are_left_to_the_upstream_and_said_so():
+    with scripted_upstream() as (up, scripted, _), running_gateway(up) as url:
+        report = httpx.get(f"{url}/v1/sampling/defaults").json()
+        out = client(url).chat.completions.create(model="plain", messages=PROMPT)
+    assert report["upstream"]["kind"] == "openai"
+    assert report["source"]["temperature"] == "upstream"
+    assert report["effective"]["temperature"] is None
+    assert any("does not know" in w for w in report["warnings"])
+    assert out.model_extra["sampling"]["source"]["temperature"] == "upstream"
+    sent = scripted.bodies[-1]
+    assert "temperature" not in sent and "top_k" not in sent and sent["max_tokens"] == 256
+
+
+def test_openai_kind_refuses_or_reports_what_it_cannot_take(tmp_path):
+    gen = tmp_path / "generation_config.json"
+    gen.write_text(json.dumps({"temperature": 0.6, "top_k": 20}))
+    with (
+        scripted_upstream() as (up, scripted, _),
+        running_gateway(up, generation_config=gen) as url,
+    ):
+        out = client(url).chat.completions.create(model="plain", messages=PROMPT)
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": PROMPT, "top_k": 5})
+    sampling = out.model_extra["sampling"]
+    assert sampling["source"]["temperature"] == "generation_config"
+    assert sampling["source"]["min_p"] == "builtin"
+    assert sampling["adjusted"] == [
+        {"param": "top_k", "requested": 20, "applied": -1, "policy": "upstream_unsupported"}
+    ]
+    sent = scripted.bodies[0]
+    assert sent["temperature"] == 0.6 and sent["top_p"] == 1.0 and "top_k" not in sent
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
+
+
+def test_upstream_down_is_a_502():
+    with scripted_upstream() as (up, _, server), running_gateway(up) as url:
+        server.should_exit = True
+        time.sleep(0.5)
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": PROMPT})
+        s = httpx.post(f"{url}/v1/chat/completions", json={"messages": PROMPT, "stream": True})
+        metrics = httpx.get(f"{url}/metrics").text
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unreachable"
+    assert s.status_code == 502
+    assert 'thermostat_gateway_upstream_errors_total{kind="upstream_unreachable"} 2.0' in metrics
+
+
+def test_upstream_slow_is_a_504_within_the_bound():
+    with scripted_upstream() as (up, _, _), running_gateway(up, upstream_timeout_s=1.0) as url:
+        start = time.monotonic()
+        r = httpx.post(
+            f"{url}/v1/chat/completions", json={"model": "slow", "messages": PROMPT}, timeout=20
+        )
+        took = time.monotonic() - start
+    assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
+    assert took < 5
+
+
+def test_upstream_garbage_is_a_502():
+    with scripted_upstream() as (up, _, _), running_gateway(up) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json={"model": "garbage", "messages": PROMPT})
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_bad_response"
+    assert r.json()["error"]["type"] == "server_error"
+
+
+def test_client_disconnect_closes_the_upstream_stream():
+    with scripted_upstream() as (up, scripted, _), running_gateway(up) as url:
+        body = {"model": "forever", "messages": PROMPT, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data:")
+        assert scripted.closed.wait(10), "the upstream stream stayed open"
+
+
+def test_stop_on_loop_ends_the_stream_and_closes_the_upstream():
+    with scripted_upstream() as (up, scripted, _):
+        with running_gateway(up, stop_on_loop=True) as url:
+            chunks = list(
+                client(url).chat.completions.create(model="loop", messages=PROMPT, stream=True)
+            )
+        assert scripted.closed.wait(10)
+    final = chunks[-1]
+    assert final.choices[0].finish_reason == "stop"
+    assert final.choices[0].model_extra["stop_reason"] == "loop"
+    assert final.model_extra["quality"]["degenerate"]
+    assert len(chunks) < 100
+
+
+def test_the_client_key_is_not_forwarded_the_upstream_key_is():
+    keys = {"api_key": "gw-key", "upstream_api_key": "up-key"}
+    with scripted_upstream() as (up, scripted, _), running_gateway(up, **keys) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": PROMPT})
+        ok = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"messages": PROMPT},
+            headers={"Authorization": "Bearer gw-key"},
+        )
+    assert r.status_code == 401 and ok.status_code == 200
+    assert scripted.keys == ["Bearer up-key"]
+
+
+# ---- in front of llama.cpp's llama-server ----
+
+LLAMA_SERVER = os.environ.get("THERMOSTAT_LLAMA_SERVER")
+GGUF = Path(os.environ.get("THERMOSTAT_LLAMA_GGUF", "/tmp/peers/gguf/tiny-f16.gguf"))
+
+
+@pytest.mark.skipif(
+    not LLAMA_SERVER or not GGUF.is_file(),
+    reason="set THERMOSTAT_LLAMA_SERVER to a llama-server binary (and THERMOSTAT_LLAMA_GGUF)",
+)
+def test_in_front_of_llama_server():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        str(LLAMA_SERVER),
+        "-m",
+        str(GGUF),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        "1",
+        "-c",
+        "1024",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    up = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{up}/health", timeout=2).status_code == 200:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        with running_gateway(up, sampling_defaults={"temperature": 0.0}) as url:
+            report = httpx.get(f"{url}/v1/sampling/defaults").json()
+            outs = [
+                client(url).completions.create(model="m", prompt="Once upon a time", max_tokens=16)
+                for _ in range(2)
+            ]
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "stop_token_ids": [1]})
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert report["upstream"]["kind"] == "llamacpp"
+    # llama-server's own defaults (temperature 0.8, top_k 40, min_p 0.05) are known, sourced
+    assert report["source"]["top_k"] == "upstream" and report["effective"]["top_k"] == 40
+    assert report["source"]["temperature"] == "operator"
+    # greedy by the operator's word, though llama-server's own default samples at 0.8
+    assert outs[0].choices[0].text == outs[1].choices[0].text
+    assert outs[0].model_extra["sampling"]["effective"]["min_p"] == 0.05
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
