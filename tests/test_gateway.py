@@ -245,7 +245,11 @@ def test_verify_passes_through_the_gateway_where_it_fails_direct(upstream, capsy
     assert direct == 1 and checks["default-sampling"]["status"] == "fail"
     with running_gateway(upstream.url, sampling_defaults={"temperature": 0.8}) as url:
         code = main(["verify", url, "--endpoint", "completions", "--max-tokens", "12", "--json"])
-    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+        checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+        diagnosed = main(["diagnose", "--url", url, "--max-tokens", "8", "--json"])
+        cells = json.loads(capsys.readouterr().out)["cells"]
+    assert diagnosed in (0, 1)
+    assert [c["decoding"] for c in cells] == ["greedy", "defaults"]
     assert checks["default-sampling"]["status"] == "pass"
     assert "operator" in checks["default-sampling"]["detail"]
     assert checks["greedy"]["status"] == "pass" and checks["seed"]["status"] == "pass"

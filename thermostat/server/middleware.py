@@ -41,6 +41,7 @@ class GatedState(Protocol):
     @property
     def metrics(self) -> Metrics: ...
 
+
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache", "/flush_cache")
 ALWAYS_SERVED = ("/health", "/metrics")
 
