@@ -3,7 +3,6 @@
 A subcommand module exposes `HELP` (one line), `EPILOG` (examples), `add_arguments(parser)` and
 `run(args) -> int`; registering it is one line in COMMANDS. Exit status: 0 success, 1 a failure
 or finding at run time, 2 bad usage or configuration.
-
 """
 
 from __future__ import annotations
