@@ -193,7 +193,8 @@ def main() -> None:
     table = Table(
         title=f"DeepSeek-V3-shaped, {weight_bytes / 1e6:.0f} MB bf16 weights, {result['cpu']}, "
         f"{result['threads']} threads; output tok/s, medians of {args.repeats} alternating runs, "
-        f"{args.prompt_tokens} prompt + {args.output_tokens} new tokens per sequence"
+        f"{args.prompt_tokens} prompt + {args.output_tokens} new tokens per sequence; "
+        "cells: median, x transformers, (range of runs)"
     )
     table.add_column("engine, KV cache")
     table.add_column("KV bytes/token", justify="right")
@@ -207,11 +208,9 @@ def main() -> None:
     for name, label in labels.items():
         cells = []
         for batch in args.batches:
-            tok_s = result["tok_s"][batch]
-            vs_hf = tok_s[name] / tok_s["transformers"]
-            cells.append(
-                f"{tok_s[name]:.1f}" + ("" if name == "transformers" else f" ({vs_hf:.1f}x)")
-            )
+            tok_s, spread = result["tok_s"][batch], runs[batch][name]
+            vs_hf = "" if name == "transformers" else f" {tok_s[name] / tok_s['transformers']:.1f}x"
+            cells.append(f"{tok_s[name]:.1f}{vs_hf} ({min(spread):.1f}-{max(spread):.1f})")
         table.add_row(label, f"{kv_bytes[name]:,}", *cells)
     load = result["load_average_1min"]
     out = console if args.json else Console()  # with --json, the table goes to stderr
