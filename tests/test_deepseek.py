@@ -3,7 +3,6 @@ weights (float32), and the engine's invariances on them."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
@@ -18,7 +17,6 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 from tests.conftest import hf_greedy, hf_model
 from tests.test_handoff import run as run_group
 from thermostat import LLM, SamplingParams, kernels
-from thermostat.engine.loader import ModelLoadError, load_model
 from thermostat.models.deepseek import DeepseekArch
 from thermostat.models.kv_cache import CacheComponent
 from thermostat.models.llama import MLP
@@ -367,14 +365,3 @@ def test_latent_rows_hand_off_between_engines(deepseek_v3_dir, kv_cache_dtype):
         assert prefilled is not None and set(prefilled.rows.tensors) <= {"latent", "latent.scale"}
         got = run_group(decode, prompts=[prompt], params=params, preloads=[prefilled])[0][0]
         assert got.token_ids == expected.token_ids
-
-
-def test_block_fp8_weights_are_refused_by_name(tmp_path):
-    """DeepSeek's own float8 checkpoints (quantization_config fp8, weight_scale_inv tensors) are
-    not served yet: the load fails naming the field, not on the first unexpected tensor."""
-    path = write_model(tmp_path / "v3", "deepseek_v3")
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"quantized weights \(fp8\)"):
-        load_model(path)

@@ -1,5 +1,7 @@
 """Load a Hugging Face model directory: config, safetensors weights, tokenizer, chat template,
-generation_config.json. Every failure names the file or field at fault."""
+generation_config.json. Every failure names the file or field at fault. Block-fp8 weights
+(`quantization_config` quant_method fp8) are dequantized to the serving dtype as they are read
+(thermostat.models.fp8_weights)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from thermostat import kernels
 from thermostat.kernels import CpuOps
+from thermostat.models.fp8_weights import BlockFP8
 from thermostat.models.registry import ArchFacts, CausalLM, model_class
 from thermostat.sampling.generation_config import (
     GenerationConfigDefaults,
@@ -117,6 +120,7 @@ def load_model(
     try:
         name, model_cls = model_class(list(getattr(config, "architectures", None) or []))
         arch = model_cls.arch_from_config(config, name)
+        fp8 = BlockFP8.from_config(config)
     except (ValueError, AttributeError) as exc:
         raise ModelLoadError(str(exc)) from exc
     torch_dtype = resolve_dtype(dtype, config)
@@ -124,7 +128,8 @@ def load_model(
     ops = kernels.ops() if cpu_kernels else None
     net = model_cls(arch, config, torch_dtype, max_positions=limit, ops=ops)
     try:
-        net.load_weights(iter_tensors(weight_files(path)))
+        tensors = iter_tensors(weight_files(path))
+        net.load_weights(tensors if fp8 is None else fp8.read(tensors))
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():

@@ -12,6 +12,10 @@ Routing by architecture: V2 softmax top-k (`topk_method` greedy, or group_limite
 groups by their best expert); V3 sigmoid scores plus `e_score_correction_bias` for the choice,
 groups ranked by their two best, weights normalised when `norm_topk_prob`, then scaled by
 `routed_scaling_factor`.
+
+DeepSeek's own fp8 checkpoints (V3/R1: float8_e4m3fn weights with 128x128 block scales) load
+through thermostat.models.fp8_weights: dequantized once to the serving dtype, so they take that
+dtype's memory (bfloat16: twice the fp8 files) and run at its speed.
 """
 
 from __future__ import annotations
@@ -77,10 +81,6 @@ class DeepseekArch:
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, arch: str) -> DeepseekArch:
-        quant = getattr(config, "quantization_config", None)
-        if quant:
-            method = quant.get("quant_method") if isinstance(quant, dict) else quant
-            raise ValueError(f"config.json: quantized weights ({method}) are not supported")
         v3 = arch == "DeepseekV3ForCausalLM"
         qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         mla = MLAArch(
