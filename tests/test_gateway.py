@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -70,7 +71,8 @@ class Scripted:
         self.app.post("/v1/chat/completions")(self.chat)
 
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": "scripted", "object": "model"}]}
+        card = {"id": "scripted", "object": "model", "max_model_len": 4096}
+        return {"object": "list", "data": [card]}
 
     async def chat(self, request: Request) -> Any:
         body = await request.json()
@@ -298,7 +300,8 @@ def test_gateway_runs_where_torch_cannot_be_imported(upstream):
 # ---- the upstream failing, and unknown defaults (the scripted upstream) ----
 
 
-def test_unknown_defaults_are_left_to_the_upstream_and_said_so():
+def test_unknown_defaults_are_left_to_the_upstream_and_said_so(caplog):
+    caplog.set_level(logging.INFO, logger="thermostat.gateway")
     with scripted_upstream() as (up, scripted, _), running_gateway(up) as url:
         report = httpx.get(f"{url}/v1/sampling/defaults").json()
         out = client(url).chat.completions.create(model="plain", messages=PROMPT)
@@ -308,7 +311,31 @@ def test_unknown_defaults_are_left_to_the_upstream_and_said_so():
     assert any("does not know" in w for w in report["warnings"])
     assert out.model_extra["sampling"]["source"]["temperature"] == "upstream"
     sent = scripted.bodies[-1]
-    assert "temperature" not in sent and "top_k" not in sent and sent["max_tokens"] == 256
+    assert "temperature" not in sent and "top_k" not in sent and "max_tokens" not in sent
+    # an omitted max_tokens is the upstream's (up to its context), never serve's builtin 256
+    assert out.model_extra["sampling"]["source"]["max_tokens"] == "upstream"
+    assert out.model_extra["sampling"]["effective"]["max_tokens"] is None
+    assert report["upstream"]["context_len"] == 4096
+    assert "context length 4096" in caplog.text
+    assert "max_tokens" in caplog.text and "the upstream's limit" in caplog.text
+
+
+def test_a_sent_max_tokens_goes_upstream_an_omitted_one_does_not(tmp_path):
+    gen = tmp_path / "generation_config.json"
+    gen.write_text(json.dumps({"temperature": 0.6}))
+    with (
+        scripted_upstream() as (up, scripted, _),
+        running_gateway(up, generation_config=gen) as url,
+    ):
+        omitted = client(url).chat.completions.create(model="plain", messages=PROMPT)
+        sent = client(url).chat.completions.create(model="plain", messages=PROMPT, max_tokens=9)
+        report = httpx.get(f"{url}/v1/sampling/defaults").json()
+    assert "max_tokens" not in scripted.bodies[0] and scripted.bodies[0]["temperature"] == 0.6
+    assert scripted.bodies[1]["max_tokens"] == 9
+    assert omitted.model_extra["sampling"]["source"]["max_tokens"] == "upstream"
+    assert sent.model_extra["sampling"]["effective"]["max_tokens"] == 9
+    assert sent.model_extra["sampling"]["source"]["max_tokens"] == "request"
+    assert not any("does not know" in w for w in report["warnings"])
 
 
 def test_openai_kind_refuses_or_reports_what_it_cannot_take(tmp_path):
