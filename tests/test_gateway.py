@@ -85,6 +85,8 @@ class Scripted:
             return PlainTextResponse("<html>502 from some proxy</html>")
         if mode in ("forever", "loop"):
             return StreamingResponse(self._stream(mode), media_type="text/event-stream")
+        if body.get("stream"):
+            return StreamingResponse(self._answer(), media_type="text/event-stream")
         message = {"role": "assistant", "content": "a calm and quiet sea"}
         choice = {"index": 0, "message": message, "finish_reason": "stop"}
         return JSONResponse(
@@ -96,6 +98,17 @@ class Scripted:
                 "choices": [choice],
             }
         )
+
+    async def _answer(self):
+        """The plain answer as a stream: two pieces, then usage."""
+        head = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "scripted"}
+        for text, finish in (("a calm and ", None), ("quiet sea", "stop")):
+            delta = {"role": "assistant", "content": text}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            yield f"data: {json.dumps(head | {'choices': [choice]})}\n\n"
+        usage = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+        yield f"data: {json.dumps(head | {'choices': [], 'usage': usage})}\n\n"
+        yield "data: [DONE]\n\n"
 
     async def _stream(self, mode: str):
         try:
@@ -409,6 +422,31 @@ def test_stop_on_loop_ends_the_stream_and_closes_the_upstream():
     assert final.choices[0].model_extra["stop_reason"] == "loop"
     assert final.model_extra["quality"]["degenerate"]
     assert len(chunks) < 100
+
+
+def test_stop_on_loop_cuts_a_whole_response_where_a_stream_is_cut():
+    with scripted_upstream() as (up, scripted, _), running_gateway(up, stop_on_loop=True) as url:
+        chunks = list(
+            client(url).chat.completions.create(model="loop", messages=PROMPT, stream=True)
+        )
+        assert scripted.closed.wait(10)
+        scripted.closed.clear()
+        whole = client(url).chat.completions.create(model="loop", messages=PROMPT)
+        assert scripted.closed.wait(10), "the upstream stream stayed open"
+        plain = client(url).chat.completions.create(model="plain", messages=PROMPT)
+    assert scripted.bodies[1]["stream"] is True  # asked as a stream, answered whole
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    choice = whole.choices[0]
+    assert choice.message.content == streamed and streamed.count("the cat sat") > 2
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == "loop"
+    assert whole.object == "chat.completion"
+    assert whole.model_extra["quality"]["degenerate"]
+    assert choice.model_extra["quality"] == whole.model_extra["quality"]
+    assert whole.model_extra["sampling"]["source"]["temperature"] == "upstream"
+    # an answer with no loop comes whole, as the upstream wrote it, usage included
+    assert plain.choices[0].message.content == "a calm and quiet sea"
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens == 5
+    assert not plain.model_extra["quality"]["degenerate"]
 
 
 def test_the_client_key_is_not_forwarded_the_upstream_key_is():

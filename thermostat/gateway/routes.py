@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from thermostat.errors import InvalidRequest
+from thermostat.gateway.fold import Fold
 from thermostat.gateway.forward import until_disconnected, upstream_body
 from thermostat.gateway.relay import StreamAnnotator, annotate
 from thermostat.gateway.state import GatewayState
@@ -119,16 +120,48 @@ async def _generate(
     if body.stream:
         return await _stream(state, PATHS[endpoint], sent, sampling)
     with state.admitted() as start:
+        if state.config.stop_on_loop:
+            work = _folded(state, endpoint, sent, sampling)
+        else:
+            work = _whole(state, PATHS[endpoint], sent, sampling)
         try:
-            data = await until_disconnected(state.upstream.post(PATHS[endpoint], sent), request)
+            data = await until_disconnected(work, request)
         except APIError as err:
             _count(state, err)
             raise
-        state.metrics.upstream_latency.observe(state.upstream.last_latency_s)
-        for report in annotate(data, sampling):
-            state.metrics.on_quality(report)
         state.metrics.e2e.observe(time.monotonic() - start)
     return JSONResponse(data)
+
+
+async def _whole(
+    state: GatewayState, path: str, sent: dict[str, Any], sampling: dict[str, Any]
+) -> dict[str, Any]:
+    data = await state.upstream.post(path, sent)
+    state.metrics.upstream_latency.observe(state.upstream.last_latency_s)
+    for report in annotate(data, sampling):
+        state.metrics.on_quality(report)
+    return data
+
+
+async def _folded(
+    state: GatewayState, endpoint: str, sent: dict[str, Any], sampling: dict[str, Any]
+) -> dict[str, Any]:
+    """--stop-on-loop for a non-streamed request: the upstream streams, a loop is cut as on the
+    streaming path (and the upstream closed), the client gets the whole response (fold.py)."""
+    asked = sent | {"stream": True, "stream_options": {"include_usage": True}}
+    response = await state.upstream.stream(PATHS[endpoint], asked)
+    try:
+        state.metrics.upstream_latency.observe(state.upstream.last_latency_s)
+        annotator, fold = StreamAnnotator(sampling, stop_on_loop=True), Fold(endpoint)
+        async for chunk in annotator.run(state.upstream.events(response)):
+            fold.add(chunk)
+    finally:
+        await response.aclose()  # a loop cut, a client gone: the upstream stops too
+    for report in annotator.reports:
+        state.metrics.on_quality(report)
+    data = fold.response()
+    data.setdefault("sampling", sampling)
+    return data
 
 
 async def _stream(
