@@ -88,14 +88,17 @@ class Scripted:
         if body.get("stream"):
             return StreamingResponse(self._answer(), media_type="text/event-stream")
         message = {"role": "assistant", "content": "a calm and quiet sea"}
-        choice = {"index": 0, "message": message, "finish_reason": "stop"}
+        choices = [
+            {"index": i, "message": message, "finish_reason": "stop"}
+            for i in range(body.get("n") or 1)
+        ]
         return JSONResponse(
             {
                 "id": "x",
                 "object": "chat.completion",
                 "created": 0,
                 "model": "scripted",
-                "choices": [choice],
+                "choices": choices,
             }
         )
 
@@ -252,6 +255,36 @@ def test_stream_final_chunk_carries_sampling_and_quality(upstream):
     assert all("sampling" not in (c.model_extra or {}) for c in before)
 
 
+def test_seeded_samples_report_their_own_seed_as_the_upstream_ran_them(upstream):
+    with running_gateway(upstream.url, sampling_defaults={"temperature": 0.8}) as url:
+        c = client(url)
+        out = c.chat.completions.create(
+            model=upstream.model, messages=PROMPT, max_tokens=8, n=3, seed=5
+        )
+        alone = c.chat.completions.create(
+            model=upstream.model, messages=PROMPT, max_tokens=8, seed=6
+        )
+        chunks = list(
+            c.chat.completions.create(
+                model=upstream.model, messages=PROMPT, max_tokens=8, n=2, seed=5, stream=True
+            )
+        )
+    assert out.model_extra["sampling"]["effective"]["seed"] == 5
+    assert "sampling" not in out.choices[0].model_extra  # choice 0's is the response's
+    for j in (1, 2):
+        own = out.choices[j].model_extra["sampling"]
+        assert own["effective"]["seed"] == 5 + j
+        assert own["upstream"]["effective"]["seed"] == 5 + j  # what the upstream itself says
+        assert own["effective"]["temperature"] == 0.8
+    # sample 1 of seed 5 is the sample of seed 6: true upstream, not only said
+    assert out.choices[1].message.content == alone.choices[0].message.content
+    finals = {c.choices[0].index: c for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert {i: f.model_extra["sampling"]["effective"]["seed"] for i, f in finals.items()} == {
+        0: 5,
+        1: 6,
+    }
+
+
 def test_verify_passes_through_the_gateway_where_it_fails_direct(upstream, capsys):
     direct = main(
         ["verify", upstream.url, "--endpoint", "completions", "--max-tokens", "12", "--json"]
@@ -349,6 +382,15 @@ def test_a_sent_max_tokens_goes_upstream_an_omitted_one_does_not(tmp_path):
     assert sent.model_extra["sampling"]["effective"]["max_tokens"] == 9
     assert sent.model_extra["sampling"]["source"]["max_tokens"] == "request"
     assert not any("does not know" in w for w in report["warnings"])
+
+
+def test_a_later_seeded_sample_is_unknown_where_the_upstream_does_not_say():
+    with scripted_upstream() as (up, scripted, _), running_gateway(up) as url:
+        out = client(url).chat.completions.create(model="plain", messages=PROMPT, n=2, seed=9)
+    assert scripted.bodies[0]["seed"] == 9 and scripted.bodies[0]["n"] == 2
+    assert out.model_extra["sampling"]["effective"]["seed"] == 9
+    own = out.choices[1].model_extra["sampling"]
+    assert own["effective"]["seed"] is None and own["source"]["seed"] == "upstream"
 
 
 def test_openai_kind_refuses_or_reports_what_it_cannot_take(tmp_path):

@@ -79,6 +79,18 @@ class Resolved:
             out["source"][name] = "upstream"
         return out
 
+    def choice(self, index: int, n: int, kind: UpstreamKind) -> dict[str, Any]:
+        """The `sampling` of choice `index` of a request for `n` samples per prompt: sample
+        j = index % n of a seeded request ran on seed + j where the kind does that
+        (kinds.py); elsewhere a later sample's seed is the upstream's (null)."""
+        out = self.to_dict()
+        seed, j = self.resolution.effective.seed, index % max(n, 1)
+        if seed is not None and j:
+            out["effective"]["seed"] = seed + j if kind.seeds_samples else None
+            if not kind.seeds_samples:
+                out["source"]["seed"] = "upstream"
+        return out
+
     def sent(self, kind: UpstreamKind) -> dict[str, Any]:
         """The layered fields, max_tokens and seed as the upstream names them (unknown ones
         left out)."""

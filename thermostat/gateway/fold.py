@@ -12,6 +12,8 @@ gets one whole response. Per choice:
 | completions `text`                         | `text`, concatenated                         |
 | `logprobs` lists                           | the lists, concatenated                      |
 | finish_reason, stop_reason, quality        | as the finishing chunk has them              |
+| the finishing chunk's `sampling`           | the choice's, where it differs from the      |
+|                                            | response's (`sampling`, given)               |
 | `usage` (any chunk)                        | `usage`                                      |
 """
 
@@ -21,18 +23,19 @@ from typing import Any
 
 from thermostat.gateway.upstream import UpstreamError, bad_response
 
-PASSED = ("finish_reason", "stop_reason", "quality", "sampling")
+PASSED = ("finish_reason", "stop_reason", "quality")
 
 
 class Fold:
     """The whole response of `endpoint` ("chat" or "completions"), built chunk by chunk."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, sampling: dict[str, Any]) -> None:
         self.chat = endpoint == "chat"
+        self.sampling = sampling  # the response's
         self.head: dict[str, Any] = {}
         self.choices: dict[int, dict[str, Any]] = {}
+        self.choice_sampling: dict[int, dict[str, Any]] = {}  # from each finishing chunk
         self.usage: Any = None
-        self.sampling: dict[str, Any] | None = None  # the first finishing chunk's
 
     def add(self, chunk: dict[str, Any]) -> None:
         if "choices" not in chunk and "error" in chunk:
@@ -43,10 +46,10 @@ class Fold:
             self.head.setdefault(key, chunk.get(key))
         if chunk.get("usage"):
             self.usage = chunk["usage"]
-        if self.sampling is None and isinstance(chunk.get("sampling"), dict):
-            self.sampling = chunk["sampling"]
         for choice in chunk["choices"]:
             self._add_choice(choice)
+            if choice.get("finish_reason") is not None and isinstance(chunk.get("sampling"), dict):
+                self.choice_sampling[choice.get("index", 0)] = chunk["sampling"]
 
     def _add_choice(self, piece: dict[str, Any]) -> None:
         index = piece.get("index", 0)
@@ -85,8 +88,12 @@ class Fold:
         }
         if self.usage is not None:
             out["usage"] = self.usage
-        if self.sampling is not None:
-            out["sampling"] = self.sampling
+        theirs = self.choice_sampling.get(choices[0]["index"], {}).get("upstream")
+        out["sampling"] = self.sampling | ({"upstream": theirs} if theirs else {})
+        for choice in choices:
+            own = self.choice_sampling.get(choice["index"], self.sampling)
+            if {k: v for k, v in own.items() if k != "upstream"} != self.sampling:
+                choice["sampling"] = own
         if reports:
             out["quality"] = (flagged or reports)[0]
         return out

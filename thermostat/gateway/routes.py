@@ -5,6 +5,7 @@ it with serve's resolver (`GatewayDefaults.resolve`), send the effective values 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -17,7 +18,7 @@ from pydantic import ValidationError
 from thermostat.errors import InvalidRequest
 from thermostat.gateway.fold import Fold
 from thermostat.gateway.forward import until_disconnected, upstream_body
-from thermostat.gateway.relay import StreamAnnotator, annotate
+from thermostat.gateway.relay import Sampling, StreamAnnotator, annotate
 from thermostat.gateway.state import GatewayState
 from thermostat.gateway.upstream import UpstreamError
 from thermostat.sampling import GreedyRejected
@@ -116,7 +117,8 @@ async def _generate(
     state.metrics.on_admitted(resolved.resolution, 0)
     raw = await request.json()
     sent = upstream_body(raw, resolved, state.defaults)
-    sampling = resolved.to_dict()
+    sampling = Sampling(resolved.to_dict(), functools.partial(
+        resolved.choice, n=body.n or 1, kind=state.defaults.kind))  # fmt: skip
     if body.stream:
         return await _stream(state, PATHS[endpoint], sent, sampling)
     with state.admitted() as start:
@@ -134,17 +136,17 @@ async def _generate(
 
 
 async def _whole(
-    state: GatewayState, path: str, sent: dict[str, Any], sampling: dict[str, Any]
+    state: GatewayState, path: str, sent: dict[str, Any], sampling: Sampling
 ) -> dict[str, Any]:
     data = await state.upstream.post(path, sent)
     state.metrics.upstream_latency.observe(state.upstream.last_latency_s)
-    for report in annotate(data, sampling):
+    for report in annotate(data, *sampling):
         state.metrics.on_quality(report)
     return data
 
 
 async def _folded(
-    state: GatewayState, endpoint: str, sent: dict[str, Any], sampling: dict[str, Any]
+    state: GatewayState, endpoint: str, sent: dict[str, Any], sampling: Sampling
 ) -> dict[str, Any]:
     """--stop-on-loop for a non-streamed request: the upstream streams, a loop is cut as on the
     streaming path (and the upstream closed), the client gets the whole response (fold.py)."""
@@ -152,20 +154,19 @@ async def _folded(
     response = await state.upstream.stream(PATHS[endpoint], asked)
     try:
         state.metrics.upstream_latency.observe(state.upstream.last_latency_s)
-        annotator, fold = StreamAnnotator(sampling, stop_on_loop=True), Fold(endpoint)
+        annotator = StreamAnnotator(sampling.response, True, sampling.per_choice)
+        fold = Fold(endpoint, sampling.response)
         async for chunk in annotator.run(state.upstream.events(response)):
             fold.add(chunk)
     finally:
         await response.aclose()  # a loop cut, a client gone: the upstream stops too
     for report in annotator.reports:
         state.metrics.on_quality(report)
-    data = fold.response()
-    data.setdefault("sampling", sampling)
-    return data
+    return fold.response()
 
 
 async def _stream(
-    state: GatewayState, path: str, sent: dict[str, Any], sampling: dict[str, Any]
+    state: GatewayState, path: str, sent: dict[str, Any], sampling: Sampling
 ) -> Response:
     """The upstream stream is opened before answering, so a refusal before its first byte
     (a 4xx, 502, 504) is a plain error answer; after that, errors are in-band."""
@@ -178,7 +179,7 @@ async def _stream(
         _count(state, err)
         raise
     state.metrics.upstream_latency.observe(state.upstream.last_latency_s)
-    annotator = StreamAnnotator(sampling, state.config.stop_on_loop)
+    annotator = StreamAnnotator(sampling.response, state.config.stop_on_loop, sampling.per_choice)
 
     async def events() -> AsyncIterator[str]:
         first = True
