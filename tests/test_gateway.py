@@ -285,6 +285,55 @@ def test_seeded_samples_report_their_own_seed_as_the_upstream_ran_them(upstream)
     }
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_constraints_passed_through_are_reported(upstream):
+    with running_gateway(upstream.url) as url:
+        c = client(url)
+        fmt = c.chat.completions.create(
+            model=upstream.model,
+            messages=PROMPT,
+            max_tokens=4,
+            response_format={"type": "json_object"},
+        )
+        calls = [
+            c.chat.completions.create(
+                model=upstream.model,
+                messages=PROMPT,
+                max_tokens=4,
+                tools=[WEATHER],
+                tool_choice=choice,
+            )
+            for choice in ("required", {"type": "function", "function": {"name": "weather"}})
+        ]
+        free = c.chat.completions.create(
+            model=upstream.model, messages=PROMPT, max_tokens=4, tools=[WEATHER]
+        )
+        bad = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"messages": PROMPT, "tools": [WEATHER], "tool_choice": {
+                "type": "function", "function": {"name": "nope"}}},
+        )  # fmt: skip
+    ours = fmt.model_extra["sampling"]["constraint"]
+    assert ours == fmt.model_extra["sampling"]["upstream"]["constraint"]  # serve's own report
+    assert ours["kind"] == "json_object" and ours["source"] == "response_format"
+    reported = [out.model_extra["sampling"]["constraint"] for out in calls]
+    assert [r["kind"] for r in reported] == ["tool_call", "tool_call"]
+    assert {r["source"] for r in reported} == {"tool_choice"}
+    assert reported[0]["hash"] == reported[1]["hash"]  # one tool: required is that tool
+    assert len(reported[0]["hash"]) == 12
+    assert calls[0].model_extra["sampling"]["upstream"]["constraint"]["kind"] == "tool_call"
+    assert "constraint" not in free.model_extra["sampling"]  # tool_choice auto: no constraint
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice"
+
+
 def test_verify_passes_through_the_gateway_where_it_fails_direct(upstream, capsys):
     direct = main(
         ["verify", upstream.url, "--endpoint", "completions", "--max-tokens", "12", "--json"]

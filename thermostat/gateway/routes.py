@@ -20,6 +20,7 @@ from thermostat.gateway.fold import Fold
 from thermostat.gateway.forward import until_disconnected, upstream_body
 from thermostat.gateway.relay import Sampling, StreamAnnotator, annotate
 from thermostat.gateway.state import GatewayState
+from thermostat.gateway.tools import tool_constraint
 from thermostat.gateway.upstream import UpstreamError
 from thermostat.sampling import GreedyRejected
 from thermostat.server.errors import APIError, classify, error_body, validation_error
@@ -85,7 +86,8 @@ async def sampling_explain(request: Request) -> dict[str, Any]:
         raise validation_error(list(exc.errors())) from exc
     except InvalidRequest as exc:
         raise APIError(400, str(exc), code="invalid_body") from exc
-    resolved = state.defaults.resolve(to_sampling_params(body))
+    tools = tool_constraint(body) if isinstance(body, ChatCompletionRequest) else None
+    resolved = state.defaults.resolve(to_sampling_params(body, tools))
     endpoint = "completions" if isinstance(body, CompletionRequest) else "chat"
     return {
         "model": state.defaults.info.model,
@@ -109,8 +111,9 @@ async def _generate(
     request: Request, endpoint: str, body: ChatCompletionRequest | CompletionRequest
 ) -> Response:
     state = _state(request)
+    tools = tool_constraint(body) if isinstance(body, ChatCompletionRequest) else None
     try:
-        resolved = state.defaults.resolve(to_sampling_params(body))
+        resolved = state.defaults.resolve(to_sampling_params(body, tools))
     except GreedyRejected:
         state.metrics.adjustments.labels("greedy_reject").inc()
         raise
