@@ -99,6 +99,7 @@ class Scripted:
                 "created": 0,
                 "model": "scripted",
                 "choices": choices,
+                "usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12},
             }
         )
 
@@ -131,11 +132,15 @@ class Scripted:
 
 
 @contextlib.contextmanager
-def scripted_upstream() -> Iterator[tuple[str, Scripted, uvicorn.Server]]:
+def scripted_upstream(port: int = 0) -> Iterator[tuple[str, Scripted, uvicorn.Server]]:
     scripted = Scripted()
     server = uvicorn.Server(
         uvicorn.Config(
-            scripted.app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=1
+            scripted.app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            timeout_graceful_shutdown=1,
         )
     )
     thread = threading.Thread(target=server.run, daemon=True)
@@ -538,6 +543,44 @@ def test_stop_on_loop_cuts_a_whole_response_where_a_stream_is_cut():
     assert plain.choices[0].message.content == "a calm and quiet sea"
     assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens == 5
     assert not plain.model_extra["quality"]["degenerate"]
+
+
+def test_generation_tokens_are_counted_from_usage_asked_for_or_not():
+    with scripted_upstream() as (up, scripted, _), running_gateway(up) as url:
+        c = client(url)
+        c.chat.completions.create(model="plain", messages=PROMPT)
+        quiet = list(c.chat.completions.create(model="plain", messages=PROMPT, stream=True))
+        told = list(
+            c.chat.completions.create(
+                model="plain",
+                messages=PROMPT,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        metrics = httpx.get(f"{url}/metrics").text
+    assert "thermostat_generation_tokens_total 15.0" in metrics
+    assert scripted.bodies[1]["stream_options"] == {"include_usage": True}
+    assert all(chunk.usage is None and chunk.choices for chunk in quiet)
+    assert told[-1].usage is not None and told[-1].usage.completion_tokens == 5
+
+
+def test_health_follows_the_upstream_down_and_back():
+    def health(url: str, want: int) -> dict[str, Any]:
+        deadline = time.monotonic() + 10
+        while (r := httpx.get(f"{url}/health")).status_code != want:
+            assert time.monotonic() < deadline, f"/health stayed {r.status_code}"
+            time.sleep(0.2)
+        return r.json()
+
+    with scripted_upstream() as (up, _, server), running_gateway(up) as url:
+        assert health(url, 200) == {"status": "ready"}
+        server.should_exit = True
+        start = time.monotonic()
+        assert health(url, 503) == {"status": "upstream_down"}
+        assert time.monotonic() - start < 5
+        with scripted_upstream(port=int(up.rsplit(":", 1)[1])):
+            assert health(url, 200) == {"status": "ready"}
 
 
 def test_the_client_key_is_not_forwarded_the_upstream_key_is():

@@ -42,9 +42,20 @@ def _count(state: GatewayState, err: APIError) -> None:
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """200 once the upstream answered discovery; 503 before, while draining or failed."""
-    status = _state(request).status
+    """200 once the upstream answered discovery and while it answers its health check (at
+    most HEALTH_TTL_S old); 503 before, while it does not, while draining or failed."""
+    state = _state(request)
+    status = state.status
+    if status == "ready" and not await state.upstream_alive():
+        return JSONResponse({"status": "upstream_down"}, status_code=503)
     return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)
+
+
+def _count_usage(state: GatewayState, usage: Any) -> None:
+    """generation_tokens from an upstream's `usage`."""
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if isinstance(tokens, int) and tokens > 0:
+        state.metrics.generation_tokens.inc(tokens)
 
 
 @router.get("/metrics")
@@ -143,6 +154,7 @@ async def _whole(
 ) -> dict[str, Any]:
     data = await state.upstream.post(path, sent)
     state.metrics.upstream_latency.observe(state.upstream.last_latency_s)
+    _count_usage(state, data.get("usage"))
     for report in annotate(data, *sampling):
         state.metrics.on_quality(report)
     return data
@@ -165,6 +177,7 @@ async def _folded(
         await response.aclose()  # a loop cut, a client gone: the upstream stops too
     for report in annotator.reports:
         state.metrics.on_quality(report)
+    _count_usage(state, fold.usage)
     return fold.response()
 
 
@@ -172,11 +185,16 @@ async def _stream(
     state: GatewayState, path: str, sent: dict[str, Any], sampling: Sampling
 ) -> Response:
     """The upstream stream is opened before answering, so a refusal before its first byte
-    (a 4xx, 502, 504) is a plain error answer; after that, errors are in-band."""
+    (a 4xx, 502, 504) is a plain error answer; after that, errors are in-band. Usage is asked
+    for always (generation_tokens), and passed on only when the client asked for it."""
+    options = sent.get("stream_options")
+    options = options if isinstance(options, dict) else {}
+    wants_usage = bool(options.get("include_usage"))
+    asked = sent | {"stream_options": options | {"include_usage": True}}
     admitted = contextlib.ExitStack()
     start = admitted.enter_context(state.admitted())
     try:
-        response = await state.upstream.stream(path, sent)
+        response = await state.upstream.stream(path, asked)
     except APIError as err:
         admitted.close()
         _count(state, err)
@@ -188,6 +206,12 @@ async def _stream(
         first = True
         try:
             async for chunk in annotator.run(state.upstream.events(response)):
+                if chunk.get("usage"):
+                    _count_usage(state, chunk["usage"])
+                    if not wants_usage and not chunk.get("choices"):
+                        continue
+                    if not wants_usage:
+                        del chunk["usage"]
                 if first and annotator.first_content:
                     state.metrics.ttft.observe(time.monotonic() - start)
                     first = False
