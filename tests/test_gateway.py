@@ -66,6 +66,7 @@ class Scripted:
         self.bodies: list[dict[str, Any]] = []
         self.keys: list[str | None] = []  # the Authorization header of each request
         self.closed = threading.Event()  # an endless stream was closed by its client
+        self.gone = threading.Event()  # a request that never answers saw its client leave
         self.app = FastAPI()
         self.app.get("/v1/models")(self.models)
         self.app.post("/v1/chat/completions")(self.chat)
@@ -81,6 +82,11 @@ class Scripted:
         mode = body.get("model")
         if mode == "slow":
             await asyncio.sleep(30)
+        if mode == "hang":
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.05)
+            self.gone.set()
+            return JSONResponse({})
         if mode == "garbage":
             return PlainTextResponse("<html>502 from some proxy</html>")
         if mode in ("forever", "loop"):
@@ -504,6 +510,25 @@ def test_client_disconnect_closes_the_upstream_stream():
             lines = r.iter_lines()
             assert next(lines).startswith("data:")
         assert scripted.closed.wait(10), "the upstream stream stayed open"
+
+
+@pytest.mark.parametrize("stop_on_loop", [False, True])
+def test_client_disconnect_aborts_a_whole_request_upstream(stop_on_loop):
+    with (
+        scripted_upstream() as (up, scripted, _),
+        running_gateway(up, stop_on_loop=stop_on_loop) as url,
+    ):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                f"{url}/v1/chat/completions",
+                json={"model": "hang", "messages": PROMPT},
+                timeout=httpx.Timeout(10, read=1),
+            )
+        assert scripted.gone.wait(10), "the upstream request outlived its client"
+        deadline = time.monotonic() + 10
+        while "thermostat_requests_running 0.0" not in httpx.get(f"{url}/metrics").text:
+            assert time.monotonic() < deadline, "the request stayed in flight"
+            time.sleep(0.1)
 
 
 def test_stop_on_loop_ends_the_stream_and_closes_the_upstream():
