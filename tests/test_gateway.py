@@ -669,6 +669,7 @@ def test_in_front_of_llama_server():
         proc.terminate()
         proc.wait(timeout=30)
     assert report["upstream"]["kind"] == "llamacpp"
+    assert report["upstream"]["context_len"] == 1024  # /props n_ctx (-c 1024)
     # llama-server's own defaults (temperature 0.8, top_k 40, min_p 0.05) are known, sourced
     assert report["source"]["top_k"] == "upstream" and report["effective"]["top_k"] == 40
     assert report["source"]["temperature"] == "operator"
