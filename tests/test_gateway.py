@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -65,12 +66,14 @@ class Scripted:
         self.bodies: list[dict[str, Any]] = []
         self.keys: list[str | None] = []  # the Authorization header of each request
         self.closed = threading.Event()  # an endless stream was closed by its client
+        self.gone = threading.Event()  # a request that never answers saw its client leave
         self.app = FastAPI()
         self.app.get("/v1/models")(self.models)
         self.app.post("/v1/chat/completions")(self.chat)
 
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": "scripted", "object": "model"}]}
+        card = {"id": "scripted", "object": "model", "max_model_len": 4096}
+        return {"object": "list", "data": [card]}
 
     async def chat(self, request: Request) -> Any:
         body = await request.json()
@@ -79,21 +82,43 @@ class Scripted:
         mode = body.get("model")
         if mode == "slow":
             await asyncio.sleep(30)
+        if mode == "hang":
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.05)
+            self.gone.set()
+            return JSONResponse({})
         if mode == "garbage":
             return PlainTextResponse("<html>502 from some proxy</html>")
         if mode in ("forever", "loop"):
             return StreamingResponse(self._stream(mode), media_type="text/event-stream")
+        if body.get("stream"):
+            return StreamingResponse(self._answer(), media_type="text/event-stream")
         message = {"role": "assistant", "content": "a calm and quiet sea"}
-        choice = {"index": 0, "message": message, "finish_reason": "stop"}
+        choices = [
+            {"index": i, "message": message, "finish_reason": "stop"}
+            for i in range(body.get("n") or 1)
+        ]
         return JSONResponse(
             {
                 "id": "x",
                 "object": "chat.completion",
                 "created": 0,
                 "model": "scripted",
-                "choices": [choice],
+                "choices": choices,
+                "usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12},
             }
         )
+
+    async def _answer(self):
+        """The plain answer as a stream: two pieces, then usage."""
+        head = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "scripted"}
+        for text, finish in (("a calm and ", None), ("quiet sea", "stop")):
+            delta = {"role": "assistant", "content": text}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            yield f"data: {json.dumps(head | {'choices': [choice]})}\n\n"
+        usage = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+        yield f"data: {json.dumps(head | {'choices': [], 'usage': usage})}\n\n"
+        yield "data: [DONE]\n\n"
 
     async def _stream(self, mode: str):
         try:
@@ -113,11 +138,15 @@ class Scripted:
 
 
 @contextlib.contextmanager
-def scripted_upstream() -> Iterator[tuple[str, Scripted, uvicorn.Server]]:
+def scripted_upstream(port: int = 0) -> Iterator[tuple[str, Scripted, uvicorn.Server]]:
     scripted = Scripted()
     server = uvicorn.Server(
         uvicorn.Config(
-            scripted.app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=1
+            scripted.app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            timeout_graceful_shutdown=1,
         )
     )
     thread = threading.Thread(target=server.run, daemon=True)
@@ -237,6 +266,85 @@ def test_stream_final_chunk_carries_sampling_and_quality(upstream):
     assert all("sampling" not in (c.model_extra or {}) for c in before)
 
 
+def test_seeded_samples_report_their_own_seed_as_the_upstream_ran_them(upstream):
+    with running_gateway(upstream.url, sampling_defaults={"temperature": 0.8}) as url:
+        c = client(url)
+        out = c.chat.completions.create(
+            model=upstream.model, messages=PROMPT, max_tokens=8, n=3, seed=5
+        )
+        alone = c.chat.completions.create(
+            model=upstream.model, messages=PROMPT, max_tokens=8, seed=6
+        )
+        chunks = list(
+            c.chat.completions.create(
+                model=upstream.model, messages=PROMPT, max_tokens=8, n=2, seed=5, stream=True
+            )
+        )
+    assert out.model_extra["sampling"]["effective"]["seed"] == 5
+    assert "sampling" not in out.choices[0].model_extra  # choice 0's is the response's
+    for j in (1, 2):
+        own = out.choices[j].model_extra["sampling"]
+        assert own["effective"]["seed"] == 5 + j
+        assert own["upstream"]["effective"]["seed"] == 5 + j  # what the upstream itself says
+        assert own["effective"]["temperature"] == 0.8
+    # sample 1 of seed 5 is the sample of seed 6: true upstream, not only said
+    assert out.choices[1].message.content == alone.choices[0].message.content
+    finals = {c.choices[0].index: c for c in chunks if c.choices and c.choices[0].finish_reason}
+    assert {i: f.model_extra["sampling"]["effective"]["seed"] for i, f in finals.items()} == {
+        0: 5,
+        1: 6,
+    }
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_constraints_passed_through_are_reported(upstream):
+    with running_gateway(upstream.url) as url:
+        c = client(url)
+        fmt = c.chat.completions.create(
+            model=upstream.model,
+            messages=PROMPT,
+            max_tokens=4,
+            response_format={"type": "json_object"},
+        )
+        calls = [
+            c.chat.completions.create(
+                model=upstream.model,
+                messages=PROMPT,
+                max_tokens=4,
+                tools=[WEATHER],
+                tool_choice=choice,
+            )
+            for choice in ("required", {"type": "function", "function": {"name": "weather"}})
+        ]
+        free = c.chat.completions.create(
+            model=upstream.model, messages=PROMPT, max_tokens=4, tools=[WEATHER]
+        )
+        bad = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"messages": PROMPT, "tools": [WEATHER], "tool_choice": {
+                "type": "function", "function": {"name": "nope"}}},
+        )  # fmt: skip
+    ours = fmt.model_extra["sampling"]["constraint"]
+    assert ours == fmt.model_extra["sampling"]["upstream"]["constraint"]  # serve's own report
+    assert ours["kind"] == "json_object" and ours["source"] == "response_format"
+    reported = [out.model_extra["sampling"]["constraint"] for out in calls]
+    assert [r["kind"] for r in reported] == ["tool_call", "tool_call"]
+    assert {r["source"] for r in reported} == {"tool_choice"}
+    assert reported[0]["hash"] == reported[1]["hash"]  # one tool: required is that tool
+    assert len(reported[0]["hash"]) == 12
+    assert calls[0].model_extra["sampling"]["upstream"]["constraint"]["kind"] == "tool_call"
+    assert "constraint" not in free.model_extra["sampling"]  # tool_choice auto: no constraint
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice"
+
+
 def test_verify_passes_through_the_gateway_where_it_fails_direct(upstream, capsys):
     direct = main(
         ["verify", upstream.url, "--endpoint", "completions", "--max-tokens", "12", "--json"]
@@ -298,7 +406,8 @@ def test_gateway_runs_where_torch_cannot_be_imported(upstream):
 # ---- the upstream failing, and unknown defaults (the scripted upstream) ----
 
 
-def test_unknown_defaults_are_left_to_the_upstream_and_said_so():
+def test_unknown_defaults_are_left_to_the_upstream_and_said_so(caplog):
+    caplog.set_level(logging.INFO, logger="thermostat.gateway")
     with scripted_upstream() as (up, scripted, _), running_gateway(up) as url:
         report = httpx.get(f"{url}/v1/sampling/defaults").json()
         out = client(url).chat.completions.create(model="plain", messages=PROMPT)
@@ -308,7 +417,40 @@ def test_unknown_defaults_are_left_to_the_upstream_and_said_so():
     assert any("does not know" in w for w in report["warnings"])
     assert out.model_extra["sampling"]["source"]["temperature"] == "upstream"
     sent = scripted.bodies[-1]
-    assert "temperature" not in sent and "top_k" not in sent and sent["max_tokens"] == 256
+    assert "temperature" not in sent and "top_k" not in sent and "max_tokens" not in sent
+    # an omitted max_tokens is the upstream's (up to its context), never serve's builtin 256
+    assert out.model_extra["sampling"]["source"]["max_tokens"] == "upstream"
+    assert out.model_extra["sampling"]["effective"]["max_tokens"] is None
+    assert report["upstream"]["context_len"] == 4096
+    assert "context length 4096" in caplog.text
+    assert "max_tokens" in caplog.text and "the upstream's limit" in caplog.text
+
+
+def test_a_sent_max_tokens_goes_upstream_an_omitted_one_does_not(tmp_path):
+    gen = tmp_path / "generation_config.json"
+    gen.write_text(json.dumps({"temperature": 0.6}))
+    with (
+        scripted_upstream() as (up, scripted, _),
+        running_gateway(up, generation_config=gen) as url,
+    ):
+        omitted = client(url).chat.completions.create(model="plain", messages=PROMPT)
+        sent = client(url).chat.completions.create(model="plain", messages=PROMPT, max_tokens=9)
+        report = httpx.get(f"{url}/v1/sampling/defaults").json()
+    assert "max_tokens" not in scripted.bodies[0] and scripted.bodies[0]["temperature"] == 0.6
+    assert scripted.bodies[1]["max_tokens"] == 9
+    assert omitted.model_extra["sampling"]["source"]["max_tokens"] == "upstream"
+    assert sent.model_extra["sampling"]["effective"]["max_tokens"] == 9
+    assert sent.model_extra["sampling"]["source"]["max_tokens"] == "request"
+    assert not any("does not know" in w for w in report["warnings"])
+
+
+def test_a_later_seeded_sample_is_unknown_where_the_upstream_does_not_say():
+    with scripted_upstream() as (up, scripted, _), running_gateway(up) as url:
+        out = client(url).chat.completions.create(model="plain", messages=PROMPT, n=2, seed=9)
+    assert scripted.bodies[0]["seed"] == 9 and scripted.bodies[0]["n"] == 2
+    assert out.model_extra["sampling"]["effective"]["seed"] == 9
+    own = out.choices[1].model_extra["sampling"]
+    assert own["effective"]["seed"] is None and own["source"]["seed"] == "upstream"
 
 
 def test_openai_kind_refuses_or_reports_what_it_cannot_take(tmp_path):
@@ -370,6 +512,25 @@ def test_client_disconnect_closes_the_upstream_stream():
         assert scripted.closed.wait(10), "the upstream stream stayed open"
 
 
+@pytest.mark.parametrize("stop_on_loop", [False, True])
+def test_client_disconnect_aborts_a_whole_request_upstream(stop_on_loop):
+    with (
+        scripted_upstream() as (up, scripted, _),
+        running_gateway(up, stop_on_loop=stop_on_loop) as url,
+    ):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                f"{url}/v1/chat/completions",
+                json={"model": "hang", "messages": PROMPT},
+                timeout=httpx.Timeout(10, read=1),
+            )
+        assert scripted.gone.wait(10), "the upstream request outlived its client"
+        deadline = time.monotonic() + 10
+        while "thermostat_requests_running 0.0" not in httpx.get(f"{url}/metrics").text:
+            assert time.monotonic() < deadline, "the request stayed in flight"
+            time.sleep(0.1)
+
+
 def test_stop_on_loop_ends_the_stream_and_closes_the_upstream():
     with scripted_upstream() as (up, scripted, _):
         with running_gateway(up, stop_on_loop=True) as url:
@@ -382,6 +543,69 @@ def test_stop_on_loop_ends_the_stream_and_closes_the_upstream():
     assert final.choices[0].model_extra["stop_reason"] == "loop"
     assert final.model_extra["quality"]["degenerate"]
     assert len(chunks) < 100
+
+
+def test_stop_on_loop_cuts_a_whole_response_where_a_stream_is_cut():
+    with scripted_upstream() as (up, scripted, _), running_gateway(up, stop_on_loop=True) as url:
+        chunks = list(
+            client(url).chat.completions.create(model="loop", messages=PROMPT, stream=True)
+        )
+        assert scripted.closed.wait(10)
+        scripted.closed.clear()
+        whole = client(url).chat.completions.create(model="loop", messages=PROMPT)
+        assert scripted.closed.wait(10), "the upstream stream stayed open"
+        plain = client(url).chat.completions.create(model="plain", messages=PROMPT)
+    assert scripted.bodies[1]["stream"] is True  # asked as a stream, answered whole
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    choice = whole.choices[0]
+    assert choice.message.content == streamed and streamed.count("the cat sat") > 2
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == "loop"
+    assert whole.object == "chat.completion"
+    assert whole.model_extra["quality"]["degenerate"]
+    assert choice.model_extra["quality"] == whole.model_extra["quality"]
+    assert whole.model_extra["sampling"]["source"]["temperature"] == "upstream"
+    # an answer with no loop comes whole, as the upstream wrote it, usage included
+    assert plain.choices[0].message.content == "a calm and quiet sea"
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens == 5
+    assert not plain.model_extra["quality"]["degenerate"]
+
+
+def test_generation_tokens_are_counted_from_usage_asked_for_or_not():
+    with scripted_upstream() as (up, scripted, _), running_gateway(up) as url:
+        c = client(url)
+        c.chat.completions.create(model="plain", messages=PROMPT)
+        quiet = list(c.chat.completions.create(model="plain", messages=PROMPT, stream=True))
+        told = list(
+            c.chat.completions.create(
+                model="plain",
+                messages=PROMPT,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        metrics = httpx.get(f"{url}/metrics").text
+    assert "thermostat_generation_tokens_total 15.0" in metrics
+    assert scripted.bodies[1]["stream_options"] == {"include_usage": True}
+    assert all(chunk.usage is None and chunk.choices for chunk in quiet)
+    assert told[-1].usage is not None and told[-1].usage.completion_tokens == 5
+
+
+def test_health_follows_the_upstream_down_and_back():
+    def health(url: str, want: int) -> dict[str, Any]:
+        deadline = time.monotonic() + 10
+        while (r := httpx.get(f"{url}/health")).status_code != want:
+            assert time.monotonic() < deadline, f"/health stayed {r.status_code}"
+            time.sleep(0.2)
+        return r.json()
+
+    with scripted_upstream() as (up, _, server), running_gateway(up) as url:
+        assert health(url, 200) == {"status": "ready"}
+        server.should_exit = True
+        start = time.monotonic()
+        assert health(url, 503) == {"status": "upstream_down"}
+        assert time.monotonic() - start < 5
+        with scripted_upstream(port=int(up.rsplit(":", 1)[1])):
+            assert health(url, 200) == {"status": "ready"}
 
 
 def test_the_client_key_is_not_forwarded_the_upstream_key_is():
@@ -445,6 +669,7 @@ def test_in_front_of_llama_server():
         proc.terminate()
         proc.wait(timeout=30)
     assert report["upstream"]["kind"] == "llamacpp"
+    assert report["upstream"]["context_len"] == 1024  # /props n_ctx (-c 1024)
     # llama-server's own defaults (temperature 0.8, top_k 40, min_p 0.05) are known, sourced
     assert report["source"]["top_k"] == "upstream" and report["effective"]["top_k"] == 40
     assert report["source"]["temperature"] == "operator"

@@ -14,6 +14,10 @@ Layers, highest first (the first that sets a field wins):
 When the generation_config is not known, a field no layer sets is left to the upstream: its
 source is `upstream`, its effective value `null`, and it is not sent. Every other value is sent
 explicitly, so the upstream's defaults decide nothing silently.
+
+`max_tokens` is no layered field: the client sets it or no one the gateway knows does. An
+omitted one is not sent (source `upstream`, value `null`): serve's builtin 256 sent in its place
+would cut answers the upstream lets run to the end of its context (vLLM, llama.cpp).
 """
 
 from __future__ import annotations
@@ -69,16 +73,30 @@ class Resolved:
     def to_dict(self) -> dict[str, Any]:
         """The `sampling` object of a response."""
         out = self.resolution.to_dict()
+        out["source"]["max_tokens"] = "request"  # the one layer that sets it; else unknown
         for name in self.unknown:
             out["effective"][name] = None
             out["source"][name] = "upstream"
         return out
 
+    def choice(self, index: int, n: int, kind: UpstreamKind) -> dict[str, Any]:
+        """The `sampling` of choice `index` of a request for `n` samples per prompt: sample
+        j = index % n of a seeded request ran on seed + j where the kind does that
+        (kinds.py); elsewhere a later sample's seed is the upstream's (null)."""
+        out = self.to_dict()
+        seed, j = self.resolution.effective.seed, index % max(n, 1)
+        if seed is not None and j:
+            out["effective"]["seed"] = seed + j if kind.seeds_samples else None
+            if not kind.seeds_samples:
+                out["source"]["seed"] = "upstream"
+        return out
+
     def sent(self, kind: UpstreamKind) -> dict[str, Any]:
-        """The layered fields, max_tokens and seed as the upstream names them."""
+        """The layered fields, max_tokens and seed as the upstream names them (unknown ones
+        left out)."""
         eff = self.resolution.effective
-        values = {n: getattr(eff, n) for n in LAYERED_FIELDS if n not in self.unknown}
-        values["max_tokens"] = eff.max_tokens
+        names = [*LAYERED_FIELDS, "max_tokens"]
+        values = {n: getattr(eff, n) for n in names if n not in self.unknown}
         if eff.seed is not None:
             values["seed"] = eff.seed
         pairs = [kind.wire(n, v) for n, v in values.items() if kind.supports(n)]
@@ -122,10 +140,10 @@ class GatewayDefaults:
         """Resolve as `serve` does, then leave unknown fields to the upstream and drop what
         the kind cannot take (400 if the client sent it, else an adjustment)."""
         resolution = resolve(params, self.server.defaults)
-        unknown = frozenset(
-            n for n, s in resolution.source.items() if s == "builtin" and not self.known
-        )
-        return Resolved(self._supported(resolution, params), unknown)
+        unknown = {n for n, s in resolution.source.items() if s == "builtin" and not self.known}
+        if params.max_tokens is None:
+            unknown.add("max_tokens")  # no layer the gateway knows sets it: the upstream's
+        return Resolved(self._supported(resolution, params), frozenset(unknown))
 
     def _supported(self, resolution: Resolution, params: SamplingParams) -> Resolution:
         eff, dropped, adjusted = resolution.effective, {}, list(resolution.adjusted)
@@ -158,8 +176,9 @@ class GatewayDefaults:
     def warnings(self) -> list[str]:
         found = self.server.warnings()
         base = self.baseline()
-        if base.unknown:
-            names = ", ".join(sorted(base.unknown))
+        layered = base.unknown - {"max_tokens"}
+        if layered:
+            names = ", ".join(sorted(layered))
             found.insert(
                 0,
                 f"the gateway does not know the upstream's defaults for {names}: requests that "
@@ -167,7 +186,7 @@ class GatewayDefaults:
                 "--generation-config PATH or --model DIR, or set them with --sampling-defaults",
             )
             policy = self.server.defaults.policy
-            if "temperature" in base.unknown and policy.min_temperature is not None:
+            if "temperature" in layered and policy.min_temperature is not None:
                 found.append(
                     "--min-temperature applies to temperatures the gateway resolves; one "
                     "omitted and left to the upstream is not seen"
@@ -188,6 +207,7 @@ class GatewayDefaults:
             "kind": self.info.kind,
             "reported": dict(self.info.reported),
             "generation_config_known": self.known,
+            "context_len": self.info.context_len,
             "notes": list(self.info.notes),
         }
         return out
@@ -205,6 +225,9 @@ class GatewayDefaults:
                 sent = f"no ({self.kind.name} lacks it)"
             table.add_row(name, "unknown" if value is None else str(value),
                           base["source"][name], sent)  # fmt: skip
+        ctx = self.info.context_len
+        limit = f"no (the upstream's limit: context {ctx})" if ctx else "no (the upstream's limit)"
+        table.add_row("max_tokens", "unknown", "upstream", limit)
         policy = self.server.defaults.policy
         table.caption = f"policy: min_temperature={policy.min_temperature}, greedy={policy.greedy}"
         console = Console(file=io.StringIO(), width=110, color_system=None)

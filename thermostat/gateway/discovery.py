@@ -8,6 +8,10 @@
 | vllm       | /v1/models cards `owned_by: vllm`     | the model path only (`root`)       |
 | openai     | anything else serving /v1/models      | nothing                            |
 
+The context length, where the upstream tells it (the model card's `max_model_len` on vLLM and
+Thermostat, llama-server's /props `n_ctx`), is reported at startup: a request that omits
+max_tokens may generate up to it.
+
 A model path the upstream names (SGLang's `model_path`, the model card's `root`) that is a
 directory readable here gives its generation_config.json and config.json. What is learned
 nowhere stays unknown: the gateway leaves those fields to the upstream and says so.
@@ -45,6 +49,7 @@ class UpstreamInfo:
     model_config: dict[str, Any] = field(default_factory=dict)  # config.json, when known
     reported: dict[str, Any] = field(default_factory=dict)  # the upstream's own defaults
     notes: list[str] = field(default_factory=list)  # how each fact was learned, or not
+    context_len: int | None = None  # tokens of context, when the upstream tells
 
     @property
     def model(self) -> str:
@@ -69,6 +74,21 @@ def _valid(values: dict[str, Any], notes: list[str], where: str) -> dict[str, An
     return out
 
 
+def _context_len(info: UpstreamInfo, props: Any) -> None:
+    """The first context length the model cards or llama-server's /props tell."""
+    found: list[Any] = [card.get("max_model_len") for card in info.models]
+    if isinstance(props, dict):
+        settings = props.get("default_generation_settings")
+        found += [props.get("n_ctx"), settings.get("n_ctx") if isinstance(settings, dict) else None]
+    sizes = [v for v in found if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    if sizes:
+        info.context_len = sizes[0]
+        info.notes.append(f"context length {sizes[0]} tokens: a request that omits max_tokens "
+                          "may generate up to what its prompt leaves of it")  # fmt: skip
+    else:
+        info.notes.append("the upstream does not tell its context length")
+
+
 def _local_model(path: Any, info: UpstreamInfo) -> None:
     """Read generation_config.json and config.json from a model path the upstream named."""
     if not isinstance(path, str) or not path or info.generation_config is not None:
@@ -90,6 +110,13 @@ async def _json(upstream: Upstream, path: str) -> Any:
 async def discover(upstream: Upstream, kind: str) -> UpstreamInfo:
     """Ask the upstream; `kind` is a KINDS name or "auto". Raises APIError (502/504) when the
     upstream cannot be reached at all."""
+    info = await _discover(upstream, kind)
+    props = await _json(upstream, "/props") if info.kind == "llamacpp" else None
+    _context_len(info, props)
+    return info
+
+
+async def _discover(upstream: Upstream, kind: str) -> UpstreamInfo:
     models = await upstream.models()
     info = UpstreamInfo(kind="openai" if kind == "auto" else kind, models=models)
     if kind in ("auto", "thermostat"):

@@ -1,18 +1,23 @@
 """Upstream kinds: how each names the sampling fields, and which it cannot take.
 
-| kind       | top_k           | min_p | repetition_penalty | refused when sent         |
-|------------|-----------------|-------|--------------------|---------------------------|
-| thermostat | top_k           | min_p | repetition_penalty | -                         |
-| vllm       | top_k           | min_p | repetition_penalty | -                         |
-| sglang     | top_k           | min_p | repetition_penalty | -                         |
-| llamacpp   | top_k (off = 0) | min_p | repeat_penalty     | NOT_OPENAI                |
-| openai     | -               | -     | -                  | NOT_OPENAI, ignore_eos    |
+| kind       | top_k           | min_p | repetition_penalty | refused when sent      | n + seed |
+|------------|-----------------|-------|--------------------|------------------------|----------|
+| thermostat | top_k           | min_p | repetition_penalty | -                      | seed + j |
+| vllm       | top_k           | min_p | repetition_penalty | -                      | seed + j |
+| sglang     | top_k           | min_p | repetition_penalty | -                      | unknown  |
+| llamacpp   | top_k (off = 0) | min_p | repeat_penalty     | NOT_OPENAI             | unknown  |
+| openai     | -               | -     | -                  | NOT_OPENAI, ignore_eos | unknown  |
 
 vLLM and SGLang take top_k, min_p and repetition_penalty as extra body fields; llama-server
 reads `repeat_penalty` and turns top-k off with 0 (tools/server/README.md of llama.cpp). A
 layered field a kind lacks is refused (400) when the client sent a non-neutral value, and
 otherwise dropped and reported in `sampling.adjusted` (policy `upstream_unsupported`).
 NOT_OPENAI: min_tokens, stop_token_ids, skip_special_tokens.
+
+n + seed: what seed sample j of an `n > 1` seeded request runs on. Thermostat runs it on
+seed + j (sampling/fanout.py) and so does vLLM (v1 `ParentRequest._get_child_sampling_params`):
+the gateway reports each choice's seed. Elsewhere it is not documented: a later sample's seed
+is reported unknown (null, source `upstream`) rather than guessed.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class UpstreamKind:
     renames: dict[str, str] = field(default_factory=dict)  # our field name -> the upstream's
     unsupported: frozenset[str] = frozenset()
     top_k_off: int = -1  # the value that turns top-k off upstream
+    seeds_samples: bool = False  # sample j of an n > 1 seeded request runs on seed + j
 
     def supports(self, name: str) -> bool:
         return name not in self.unsupported
@@ -48,8 +54,8 @@ class UpstreamKind:
 NOT_OPENAI = frozenset({"min_tokens", "stop_token_ids", "skip_special_tokens"})
 
 KINDS: dict[str, UpstreamKind] = {
-    "thermostat": UpstreamKind("thermostat"),
-    "vllm": UpstreamKind("vllm"),
+    "thermostat": UpstreamKind("thermostat", seeds_samples=True),
+    "vllm": UpstreamKind("vllm", seeds_samples=True),
     "sglang": UpstreamKind("sglang"),
     "llamacpp": UpstreamKind(
         "llamacpp",

@@ -1,20 +1,22 @@
 """An upstream's response, passed on with `sampling` and `quality` added as `serve` adds them.
 
 Whole responses: each choice gets its `quality` (of its text), the response gets `sampling`
-(the gateway's resolution) and `quality` (the first degenerate choice's, else choice 0's). A
-`sampling` the upstream itself reported (a Thermostat upstream's) moves to `sampling.upstream`.
+(the gateway's resolution) and `quality` (the first degenerate choice's, else choice 0's); a
+choice whose own `sampling` differs (a later sample's seed, kinds.py) carries it, as `serve`'s
+do. A `sampling` the upstream itself reported (a Thermostat upstream's) moves to
+`sampling.upstream`.
 
 Streams: chunks pass through as they come; each choice's text feeds a StreamingAnalyzer, and
 the chunk with a choice's finish_reason gains `quality` (on the choice and the chunk) and
-`sampling`. Under --stop-on-loop a choice whose text certainly loops is finished there
+that choice's `sampling`. Under --stop-on-loop a choice whose text certainly loops is finished there
 (finish_reason stop, stop_reason "loop"); once every choice has finished the upstream stream is
 closed.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NamedTuple
 
 from thermostat.gateway.upstream import bad_response
 from thermostat.quality import StreamingAnalyzer, quality_report
@@ -38,13 +40,28 @@ def _with_sampling(data: dict[str, Any], sampling: dict[str, Any]) -> dict[str, 
     return sampling | {"upstream": own} if isinstance(own, dict) else sampling
 
 
-def annotate(data: dict[str, Any], sampling: dict[str, Any]) -> list[dict[str, Any]]:
+PerChoice = Callable[[int], dict[str, Any]]  # a choice's index -> its `sampling`
+
+
+class Sampling(NamedTuple):
+    """A request's `sampling` objects: the response's, and each choice's by index."""
+
+    response: dict[str, Any]
+    per_choice: PerChoice
+
+
+def annotate(
+    data: dict[str, Any], sampling: dict[str, Any], per_choice: PerChoice | None = None
+) -> list[dict[str, Any]]:
     """Add `sampling` and `quality` to a whole response in place; returns the reports."""
     reports = []
     for choice in data["choices"]:
-        if not isinstance(choice, dict):
+        if not isinstance(choice, dict) or not isinstance(choice.get("index", 0), int):
             raise bad_response("a choice that is not an object")
-        choice.pop("sampling", None)  # the upstream's per-choice view; ours is the response's
+        theirs = choice.pop("sampling", None)  # the upstream's per-choice view
+        mine = per_choice(choice.get("index", 0)) if per_choice else sampling
+        if mine != sampling:
+            choice["sampling"] = mine | ({"upstream": theirs} if isinstance(theirs, dict) else {})
         choice["quality"] = quality_report(choice_text(choice))
         reports.append(choice["quality"])
     data["sampling"] = _with_sampling(data, sampling)
@@ -56,8 +73,11 @@ def annotate(data: dict[str, Any], sampling: dict[str, Any]) -> list[dict[str, A
 class StreamAnnotator:
     """Per-stream state: one analyzer per choice, which choices have finished."""
 
-    def __init__(self, sampling: dict[str, Any], stop_on_loop: bool) -> None:
+    def __init__(
+        self, sampling: dict[str, Any], stop_on_loop: bool, per_choice: PerChoice | None = None
+    ) -> None:
         self.sampling = sampling
+        self.per_choice = per_choice
         self.stop_on_loop = stop_on_loop
         self.analyzers: dict[int, StreamingAnalyzer] = {}
         self.finished: set[int] = set()
@@ -98,7 +118,8 @@ class StreamAnnotator:
                 report = analyzer.report().to_dict()
                 self.reports.append(report)
                 choice["quality"] = report
-                event["sampling"] = self.sampling | ({"upstream": own} if own else {})
+                mine = self.per_choice(index) if self.per_choice else self.sampling
+                event["sampling"] = mine | ({"upstream": own} if own else {})
                 event["quality"] = report
             kept.append(choice)
         if choices and not kept:

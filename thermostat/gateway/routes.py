@@ -5,6 +5,7 @@ it with serve's resolver (`GatewayDefaults.resolve`), send the effective values 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -15,9 +16,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from thermostat.errors import InvalidRequest
+from thermostat.gateway.fold import Fold
 from thermostat.gateway.forward import until_disconnected, upstream_body
-from thermostat.gateway.relay import StreamAnnotator, annotate
+from thermostat.gateway.relay import Sampling, StreamAnnotator, annotate
 from thermostat.gateway.state import GatewayState
+from thermostat.gateway.tools import tool_constraint
 from thermostat.gateway.upstream import UpstreamError
 from thermostat.sampling import GreedyRejected
 from thermostat.server.errors import APIError, classify, error_body, validation_error
@@ -39,9 +42,20 @@ def _count(state: GatewayState, err: APIError) -> None:
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """200 once the upstream answered discovery; 503 before, while draining or failed."""
-    status = _state(request).status
+    """200 once the upstream answered discovery and while it answers its health check (at
+    most HEALTH_TTL_S old); 503 before, while it does not, while draining or failed."""
+    state = _state(request)
+    status = state.status
+    if status == "ready" and not await state.upstream_alive():
+        return JSONResponse({"status": "upstream_down"}, status_code=503)
     return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)
+
+
+def _count_usage(state: GatewayState, usage: Any) -> None:
+    """generation_tokens from an upstream's `usage`."""
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if isinstance(tokens, int) and tokens > 0:
+        state.metrics.generation_tokens.inc(tokens)
 
 
 @router.get("/metrics")
@@ -83,7 +97,8 @@ async def sampling_explain(request: Request) -> dict[str, Any]:
         raise validation_error(list(exc.errors())) from exc
     except InvalidRequest as exc:
         raise APIError(400, str(exc), code="invalid_body") from exc
-    resolved = state.defaults.resolve(to_sampling_params(body))
+    tools = tool_constraint(body) if isinstance(body, ChatCompletionRequest) else None
+    resolved = state.defaults.resolve(to_sampling_params(body, tools))
     endpoint = "completions" if isinstance(body, CompletionRequest) else "chat"
     return {
         "model": state.defaults.info.model,
@@ -107,50 +122,96 @@ async def _generate(
     request: Request, endpoint: str, body: ChatCompletionRequest | CompletionRequest
 ) -> Response:
     state = _state(request)
+    tools = tool_constraint(body) if isinstance(body, ChatCompletionRequest) else None
     try:
-        resolved = state.defaults.resolve(to_sampling_params(body))
+        resolved = state.defaults.resolve(to_sampling_params(body, tools))
     except GreedyRejected:
         state.metrics.adjustments.labels("greedy_reject").inc()
         raise
     state.metrics.on_admitted(resolved.resolution, 0)
     raw = await request.json()
     sent = upstream_body(raw, resolved, state.defaults)
-    sampling = resolved.to_dict()
+    sampling = Sampling(resolved.to_dict(), functools.partial(
+        resolved.choice, n=body.n or 1, kind=state.defaults.kind))  # fmt: skip
     if body.stream:
         return await _stream(state, PATHS[endpoint], sent, sampling)
     with state.admitted() as start:
+        if state.config.stop_on_loop:
+            work = _folded(state, endpoint, sent, sampling)
+        else:
+            work = _whole(state, PATHS[endpoint], sent, sampling)
         try:
-            data = await until_disconnected(state.upstream.post(PATHS[endpoint], sent), request)
+            data = await until_disconnected(work, request)
         except APIError as err:
             _count(state, err)
             raise
-        state.metrics.upstream_latency.observe(state.upstream.last_latency_s)
-        for report in annotate(data, sampling):
-            state.metrics.on_quality(report)
         state.metrics.e2e.observe(time.monotonic() - start)
     return JSONResponse(data)
 
 
+async def _whole(
+    state: GatewayState, path: str, sent: dict[str, Any], sampling: Sampling
+) -> dict[str, Any]:
+    data = await state.upstream.post(path, sent)
+    state.metrics.upstream_latency.observe(state.upstream.last_latency_s)
+    _count_usage(state, data.get("usage"))
+    for report in annotate(data, *sampling):
+        state.metrics.on_quality(report)
+    return data
+
+
+async def _folded(
+    state: GatewayState, endpoint: str, sent: dict[str, Any], sampling: Sampling
+) -> dict[str, Any]:
+    """--stop-on-loop for a non-streamed request: the upstream streams, a loop is cut as on the
+    streaming path (and the upstream closed), the client gets the whole response (fold.py)."""
+    asked = sent | {"stream": True, "stream_options": {"include_usage": True}}
+    response = await state.upstream.stream(PATHS[endpoint], asked)
+    try:
+        state.metrics.upstream_latency.observe(state.upstream.last_latency_s)
+        annotator = StreamAnnotator(sampling.response, True, sampling.per_choice)
+        fold = Fold(endpoint, sampling.response)
+        async for chunk in annotator.run(state.upstream.events(response)):
+            fold.add(chunk)
+    finally:
+        await response.aclose()  # a loop cut, a client gone: the upstream stops too
+    for report in annotator.reports:
+        state.metrics.on_quality(report)
+    _count_usage(state, fold.usage)
+    return fold.response()
+
+
 async def _stream(
-    state: GatewayState, path: str, sent: dict[str, Any], sampling: dict[str, Any]
+    state: GatewayState, path: str, sent: dict[str, Any], sampling: Sampling
 ) -> Response:
     """The upstream stream is opened before answering, so a refusal before its first byte
-    (a 4xx, 502, 504) is a plain error answer; after that, errors are in-band."""
+    (a 4xx, 502, 504) is a plain error answer; after that, errors are in-band. Usage is asked
+    for always (generation_tokens), and passed on only when the client asked for it."""
+    options = sent.get("stream_options")
+    options = options if isinstance(options, dict) else {}
+    wants_usage = bool(options.get("include_usage"))
+    asked = sent | {"stream_options": options | {"include_usage": True}}
     admitted = contextlib.ExitStack()
     start = admitted.enter_context(state.admitted())
     try:
-        response = await state.upstream.stream(path, sent)
+        response = await state.upstream.stream(path, asked)
     except APIError as err:
         admitted.close()
         _count(state, err)
         raise
     state.metrics.upstream_latency.observe(state.upstream.last_latency_s)
-    annotator = StreamAnnotator(sampling, state.config.stop_on_loop)
+    annotator = StreamAnnotator(sampling.response, state.config.stop_on_loop, sampling.per_choice)
 
     async def events() -> AsyncIterator[str]:
         first = True
         try:
             async for chunk in annotator.run(state.upstream.events(response)):
+                if chunk.get("usage"):
+                    _count_usage(state, chunk["usage"])
+                    if not wants_usage and not chunk.get("choices"):
+                        continue
+                    if not wants_usage:
+                        del chunk["usage"]
                 if first and annotator.first_content:
                     state.metrics.ttft.observe(time.monotonic() - start)
                     first = False

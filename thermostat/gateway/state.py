@@ -4,7 +4,9 @@
         └──(its defaults cannot apply: a bad `recommended`)──► failed
 
 While the upstream does not answer, discovery is retried and /health answers 503; once ready,
-an upstream that goes down is a 502 per request, not a change of status.
+an upstream that goes down is a 502 per request, not a change of status. /health asks the
+upstream again (its /health; /v1/models for an `openai` kind), at most once per HEALTH_TTL_S:
+503 `upstream_down` while it does not answer 200, 200 again once it does.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from thermostat.server.errors import APIError
 log = logging.getLogger("thermostat.gateway")
 
 Status = Literal["loading", "ready", "draining", "failed"]
+HEALTH_TTL_S = 1.5  # an upstream check answers /health for this long
+HEALTH_TIMEOUT_S = 2.0  # the longest an upstream check waits
 
 
 class GatewayState:
@@ -46,6 +50,8 @@ class GatewayState:
         self._idle = asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
+        self._health: tuple[float, bool] = (-HEALTH_TTL_S, True)  # (checked at, answered)
+        self._health_lock = asyncio.Lock()
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Any) -> AsyncIterator[None]:
@@ -105,6 +111,16 @@ class GatewayState:
         log.info("sampling defaults\n%s", d.render_table().rstrip())
         for warning in d.warnings():
             log.warning("sampling: %s", warning)
+
+    async def upstream_alive(self) -> bool:
+        """The upstream answered its health check, as of at most HEALTH_TTL_S ago."""
+        async with self._health_lock:  # concurrent /health calls share one check
+            checked, alive = self._health
+            if time.monotonic() - checked >= HEALTH_TTL_S:
+                path = "/v1/models" if self.defaults.kind.name == "openai" else "/health"
+                alive = await self.upstream.alive(path, HEALTH_TIMEOUT_S)
+                self._health = (time.monotonic(), alive)
+            return alive
 
     def mark_listening(self, address: str) -> None:
         self.address = address

@@ -89,6 +89,14 @@ class Upstream:
         except ValueError:
             return None
 
+    async def alive(self, path: str, timeout_s: float) -> bool:
+        """Whether a GET of `path` answers 200 within `timeout_s`."""
+        try:
+            r = await self.http.get(path, timeout=timeout_s)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
     async def models(self) -> list[dict[str, Any]]:
         """The /v1/models cards (empty when it serves none)."""
         got = await self.probe("/v1/models")
