@@ -8,9 +8,11 @@ Without --model it serves a tiny random-weight model (tests' shape): the engine 
 as it gets, so the gateway's share of each request is as large as it gets. Both servers and the
 client run on this machine and share its cores: the figures include that contention. Every
 load is `max(C, 8)` streamed completions (C at a time) of 16 random prompt token ids and
-`--output-tokens` new tokens (`ignore_eos`, temperature 0.8 with a seed), each chunk parsed as a
-client would; one unmeasured load warms each path first. TTFT is per request (sent -> first
-chunk with text), reported as the median; tokens/s is the load's total over its wall time.
+`--output-tokens` new tokens (`ignore_eos`, temperature 0.8 and top_p 0.95 sent in the body, so
+both paths run the same sampling whatever the model's defaults, with a seed, `logprobs: 0` so
+every token gets a chunk), each chunk parsed as a client would; one unmeasured load warms each
+path first. TTFT is per request (sent -> first token's chunk), reported as the median; tokens/s
+is the load's total over its wall time.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ async def stream_one(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[f
             if not line.startswith("data:") or line.endswith("[DONE]"):
                 continue
             chunk = json.loads(line[5:])
-            if ttft != ttft and any(c.get("text") for c in chunk.get("choices", [])):
+            if ttft != ttft and chunk.get("choices"):
                 ttft = time.perf_counter() - start
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
@@ -65,7 +67,9 @@ async def load(url: str, concurrency: int, args: argparse.Namespace, seed: int) 
                 "prompt": [rng.randrange(10, 300) for _ in range(16)],
                 "max_tokens": args.output_tokens,
                 "temperature": 0.8,
+                "top_p": 0.95,  # sent, so both paths sample alike whatever the model's defaults
                 "seed": seed + i,
+                "logprobs": 0,  # a chunk for every token, text or not (random models' tokens)
                 "ignore_eos": True,
                 "stream": True,
                 "stream_options": {"include_usage": True},
@@ -100,8 +104,7 @@ def main() -> None:
         serve = [*python, "serve", "--model", str(model), "--port", "{PORT}",
                  "--max-num-seqs", "64", "--num-threads", "1"]  # fmt: skip
         with serving("upstream", serve, Path(tmp)) as upstream:
-            gateway = [*python, "gateway", "--upstream", upstream, "--port", "{PORT}",
-                       "--sampling-defaults", "top_p=0.95"]  # fmt: skip
+            gateway = [*python, "gateway", "--upstream", upstream, "--port", "{PORT}"]
             with serving("gateway", gateway, Path(tmp)) as through:
                 paths = {"direct": upstream, "gateway": through}
                 results: dict[tuple[str, int], list[dict]] = {}
