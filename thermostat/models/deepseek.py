@@ -34,7 +34,7 @@ from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata
 from thermostat.models.kv_cache import CacheComponent, KVCacheSpec, PagedKVCache
 from thermostat.models.linear import pack_linears
-from thermostat.models.llama import MLP, RMSNorm
+from thermostat.models.llama import MLP, DecoderStack, RMSNorm
 from thermostat.models.mla import MLAArch, MLAttention
 from thermostat.models.moe import MoEArch, SparseMoE, expert_target, keep_routers_float32
 from thermostat.models.rope import RotaryEmbedding, rope_parameters
@@ -172,7 +172,7 @@ class DecoderLayer(nn.Module):
         return y, residual
 
 
-class DeepseekModel(nn.Module):
+class DeepseekModel(DecoderStack):
     """A thermostat.models.registry.CausalLM for DeepseekV2ForCausalLM and
     DeepseekV3ForCausalLM checkpoints."""
 
@@ -206,29 +206,6 @@ class DeepseekModel(nn.Module):
         """One "latent" of [kv_lora_rank + qk_rope_head_dim] per token and layer."""
         latent = CacheComponent("latent", (self.arch.mla.latent_dim,), dtype)
         return KVCacheSpec(self.arch.num_layers, block_size, (latent,))
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        cache: PagedKVCache,
-    ) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
-        cos, sin = self.rotary.tables(positions)
-        x: torch.Tensor = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, meta, cache)
-        assert residual is not None  # set by the first layer
-        return self.norm.add_forward(x, residual)
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32."""
-        logits: torch.Tensor = self.lm_head(hidden)
-        return logits.float()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Hugging Face names, per-expert or fused experts; gate/up fused at load. Layers past

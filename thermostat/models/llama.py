@@ -242,7 +242,41 @@ class DecoderLayer(nn.Module):
         return y, residual
 
 
-class LlamaFamilyModel(nn.Module):
+class DecoderStack(nn.Module):
+    """What every family's model shares: embeddings, a stack of layers that each take and
+    return (hidden, residual), the final add + norm, the LM head. Subclasses build the parts."""
+
+    rotary: RotaryEmbedding
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: RMSNorm
+    lm_head: nn.Linear
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
+        cos, sin = self.rotary.tables(positions)
+        x: torch.Tensor = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, meta, cache)
+        assert residual is not None  # set by the first layer
+        return self.norm.add_forward(x, residual)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits.float()
+
+
+class LlamaFamilyModel(DecoderStack):
     """A thermostat.models.registry.CausalLM for Llama, Mistral, Qwen2, Qwen3, Mixtral and
     Qwen3-MoE checkpoints."""
 
@@ -278,29 +312,6 @@ class LlamaFamilyModel(nn.Module):
         """A key and a value of [num_kv_heads, head_dim] per token and layer."""
         a = self.arch
         return KVCacheSpec.key_value(a.num_layers, a.num_kv_heads, a.head_dim, block_size, dtype)
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        cache: PagedKVCache,
-    ) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
-        cos, sin = self.rotary.tables(positions)
-        x: torch.Tensor = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, meta, cache)
-        assert residual is not None  # set by the first layer
-        return self.norm.add_forward(x, residual)
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32."""
-        logits: torch.Tensor = self.lm_head(hidden)
-        return logits.float()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face parameter names, fusing q/k/v and gate/up (and experts stored one

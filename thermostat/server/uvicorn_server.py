@@ -1,0 +1,78 @@
+"""uvicorn, telling an app when it listens and when to drain; shared by `serve` and `gateway`.
+
+On SIGTERM (or SIGINT) the app drains: it keeps listening and answers 503 to every new request
+while the requests in flight finish (at most `drain_timeout_s`), then the sockets close and the
+process exits with status 0 (a drain is a clean exit, not a death by signal). Torch-free: the
+gateway runs where torch is not installed.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import socket
+from collections.abc import Callable
+from types import FrameType
+from typing import Protocol
+
+import uvicorn
+from fastapi import FastAPI
+
+
+class Lifecycle(Protocol):
+    """What an app's state (`app.state.thermostat`) offers the server."""
+
+    on_fatal: Callable[[], None]
+
+    def mark_listening(self, address: str) -> None: ...
+    def begin_draining(self) -> None: ...
+    async def drain(self) -> None: ...
+
+
+class Listen(Protocol):
+    """Where to listen and how long a drain may take (ServerConfig, GatewayConfig)."""
+
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def drain_timeout_s(self) -> float: ...
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, app: FastAPI, config: Listen, log_level: str = "info") -> None:
+        self.lifecycle: Lifecycle = app.state.thermostat
+        super().__init__(
+            uvicorn.Config(
+                app,
+                host=config.host,
+                port=config.port,
+                log_level=log_level,
+                log_config=None,  # the caller's logging setup stays in charge
+                access_log=False,  # every generation request gets its own structured line
+                timeout_graceful_shutdown=max(1, math.ceil(config.drain_timeout_s)),
+                lifespan="on",
+            )
+        )
+        self.lifecycle.on_fatal = self._fatal
+
+    def _fatal(self) -> None:
+        self.should_exit = True
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.servers and self.servers[0].sockets:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            self.lifecycle.mark_listening(f"http://{host}:{port}")
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.lifecycle.begin_draining()  # at once: uvicorn notices should_exit on its next tick
+        super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM:  # uvicorn would re-raise it after the drain: exit 143
+            self._captured_signals.remove(sig)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.lifecycle.begin_draining()  # new requests get 503 from here on
+        await self.lifecycle.drain()  # still listening: new connections get the 503 too
+        await super().shutdown(sockets)
