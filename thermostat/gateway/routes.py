@@ -17,12 +17,13 @@ from pydantic import ValidationError
 
 from thermostat.errors import InvalidRequest
 from thermostat.gateway.fold import Fold
-from thermostat.gateway.forward import until_disconnected, upstream_body
+from thermostat.gateway.forward import upstream_body
 from thermostat.gateway.relay import Sampling, StreamAnnotator, annotate
 from thermostat.gateway.state import GatewayState
 from thermostat.gateway.tools import tool_constraint
 from thermostat.gateway.upstream import UpstreamError
 from thermostat.sampling import GreedyRejected
+from thermostat.server.disconnect import until_disconnected
 from thermostat.server.errors import APIError, classify, error_body, validation_error
 from thermostat.server.protocol import ChatCompletionRequest, CompletionRequest
 from thermostat.server.request_params import parse_body, to_sampling_params

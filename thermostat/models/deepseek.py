@@ -31,10 +31,9 @@ import torch
 from torch import nn
 
 from thermostat.kernels import CpuOps
-from thermostat.models.attention import AttentionMetadata
-from thermostat.models.kv_cache import CacheComponent, KVCacheSpec, PagedKVCache
+from thermostat.models.kv_cache import CacheComponent, KVCacheSpec
 from thermostat.models.linear import pack_linears
-from thermostat.models.llama import MLP, DecoderStack, RMSNorm
+from thermostat.models.llama import MLP, DecoderStack, PreNormLayer, RMSNorm
 from thermostat.models.mla import MLAArch, MLAttention
 from thermostat.models.moe import MoEArch, SparseMoE, expert_target, keep_routers_float32
 from thermostat.models.rope import RotaryEmbedding, rope_parameters
@@ -137,7 +136,9 @@ def _moe_arch(config: PretrainedConfig, v3: bool) -> MoEArch | None:
     )
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
+    self_attn: MLAttention
+
     def __init__(self, arch: DeepseekArch, layer: int, ops: CpuOps | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
@@ -150,26 +151,6 @@ class DecoderLayer(nn.Module):
             self.mlp = SparseMoE(arch.moe, arch.hidden_size, ops, shared)
         else:
             self.mlp = MLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, ops)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        meta: AttentionMetadata,
-        cache: PagedKVCache,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As llama.DecoderLayer: x not yet added to `residual` (None before the first layer);
-        returns (this layer's output, residual)."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, cos, sin, meta, cache)
-        h = self.post_attention_layernorm.add_forward(h, residual)
-        y: torch.Tensor = self.mlp(h)
-        return y, residual
 
 
 class DeepseekModel(DecoderStack):

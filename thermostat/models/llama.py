@@ -208,17 +208,14 @@ class MLP(nn.Module):
         return y
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, layer: int, ops: CpuOps | None) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.self_attn = Attention(arch, layer, ops)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.mlp: nn.Module
-        if arch.moe is not None and layer in arch.moe_layers:
-            self.mlp = SparseMoE(arch.moe, arch.hidden_size, ops)
-        else:
-            self.mlp = MLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, ops)
+class PreNormLayer(nn.Module):
+    """A decoder layer's data flow, shared by the families: norm, attention, add + norm, MLP
+    (dense or MoE). Subclasses build the four parts."""
+
+    input_layernorm: RMSNorm
+    self_attn: nn.Module
+    post_attention_layernorm: RMSNorm
+    mlp: nn.Module
 
     def forward(
         self,
@@ -240,6 +237,19 @@ class DecoderLayer(nn.Module):
         h = self.post_attention_layernorm.add_forward(h, residual)
         y: torch.Tensor = self.mlp(h)
         return y, residual
+
+
+class DecoderLayer(PreNormLayer):
+    def __init__(self, arch: ModelArch, layer: int, ops: CpuOps | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.self_attn = Attention(arch, layer, ops)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.mlp: nn.Module
+        if arch.moe is not None and layer in arch.moe_layers:
+            self.mlp = SparseMoE(arch.moe, arch.hidden_size, ops)
+        else:
+            self.mlp = MLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, ops)
 
 
 class DecoderStack(nn.Module):

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi import FastAPI
 
 from thermostat.engine.loader import DEMO_MODEL_DIR, ModelLoadError, resolve_model_path
 from thermostat.server.body_limits import BodyLimitsMiddleware
@@ -14,7 +13,6 @@ from thermostat.server.defaults import ServerDefaults
 from thermostat.server.errors import install_error_handlers
 from thermostat.server.middleware import GateMiddleware
 from thermostat.server.routes import router
-from thermostat.server.serving import ClientGone
 from thermostat.server.state import ServerState
 
 
@@ -39,10 +37,6 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.state.thermostat = state
     install_error_handlers(app)
 
-    async def on_client_gone(_: Request, __: Exception) -> Response:
-        return Response(status_code=499)  # nobody reads it; counted as "client closed request"
-
-    app.add_exception_handler(ClientGone, on_client_gone)
     app.include_router(router)
     state.route_paths = {getattr(route, "path", "") for route in app.routes}
     app.add_middleware(BodyLimitsMiddleware, state=state)  # inside the gate: after auth

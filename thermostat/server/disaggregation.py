@@ -46,10 +46,11 @@ from thermostat.disagg.handoff import disagreements, fingerprint, from_handoff, 
 from thermostat.engine.outputs import Prefilled
 from thermostat.sampling import Resolution
 from thermostat.sampling.fanout import choice_resolutions
+from thermostat.server.disconnect import ClientGone, until_disconnected
 from thermostat.server.errors import APIError
 from thermostat.server.metrics import Metrics
 from thermostat.server.prompts import Prompt
-from thermostat.server.serving import ClientGone, Job, until_disconnected
+from thermostat.server.serving import Job
 
 log = logging.getLogger("thermostat.server")
 ROOM_LIMIT = 2**63

@@ -22,10 +22,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from thermostat.errors import InvalidRequest
+from thermostat.server.disconnect import ClientGone
 from thermostat.server.protocol import ErrorInfo, ErrorResponse
 
 log = logging.getLogger("thermostat.server")
@@ -148,4 +149,9 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(InvalidRequest, on_invalid)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(HTTPException, on_http)
+
+    async def on_client_gone(_: Request, __: Exception) -> Response:
+        return Response(status_code=499)  # nobody reads it; counted as "client closed request"
+
+    app.add_exception_handler(ClientGone, on_client_gone)
     app.add_exception_handler(Exception, on_crash)

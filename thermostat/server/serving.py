@@ -10,13 +10,11 @@ engine error). What a choice reports as applied is what the engine accepted it w
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -33,6 +31,7 @@ from thermostat.sampling import (
     resolve,
 )
 from thermostat.server.async_engine import AsyncEngine, GroupInput, OutputStream
+from thermostat.server.disconnect import until_disconnected
 from thermostat.server.errors import APIError, classify
 from thermostat.server.metrics import Metrics
 from thermostat.server.prompts import Prompt
@@ -40,10 +39,6 @@ from thermostat.server.protocol import PromptTokensDetails, Usage
 
 request_log = logging.getLogger("thermostat.requests")
 T = TypeVar("T")
-
-
-class ClientGone(Exception):
-    """The client disconnected before its response was complete; its requests were aborted."""
 
 
 @dataclass
@@ -215,30 +210,6 @@ class Job:
             "latency_s": round(time.monotonic() - self.arrival, 4),
         }
         request_log.info(json.dumps(line))
-
-
-async def until_disconnected(work: Awaitable[T], request: Request) -> T:
-    """Await `work`, cancelling it (its finally-blocks abort engine requests) if the client
-    disconnects first or if this task itself is cancelled."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-    if task.cancelled():
-        raise ClientGone()
-    return task.result()
-
-
-async def _disconnect(request: Request) -> None:
-    """Returns when the client disconnects (the body has been read: only that message is left)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 class Serving:
