@@ -13,9 +13,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
-from thermostat.errors import InvalidRequest
 from thermostat.gateway.fold import Fold
 from thermostat.gateway.forward import upstream_body
 from thermostat.gateway.relay import Sampling, StreamAnnotator, annotate
@@ -24,9 +22,9 @@ from thermostat.gateway.tools import tool_constraint
 from thermostat.gateway.upstream import UpstreamError
 from thermostat.sampling import GreedyRejected
 from thermostat.server.disconnect import until_disconnected
-from thermostat.server.errors import APIError, classify, error_body, validation_error
+from thermostat.server.errors import APIError, classify, error_body
 from thermostat.server.protocol import ChatCompletionRequest, CompletionRequest
-from thermostat.server.request_params import parse_body, to_sampling_params
+from thermostat.server.request_params import read_body, to_sampling_params
 
 router = APIRouter()
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -88,16 +86,7 @@ async def sampling_defaults(request: Request) -> dict[str, Any]:
 async def sampling_explain(request: Request) -> dict[str, Any]:
     """The gateway's resolution of a body (what it would send upstream), without generating."""
     state = _state(request)
-    try:
-        raw = json.loads(await request.body())
-    except json.JSONDecodeError as exc:
-        raise APIError(400, f"malformed JSON body: {exc}", code="json_invalid") from exc
-    try:
-        body = parse_body(raw)
-    except ValidationError as exc:
-        raise validation_error(list(exc.errors())) from exc
-    except InvalidRequest as exc:
-        raise APIError(400, str(exc), code="invalid_body") from exc
+    body = await read_body(request)
     tools = tool_constraint(body) if isinstance(body, ChatCompletionRequest) else None
     resolved = state.defaults.resolve(to_sampling_params(body, tools))
     endpoint = "completions" if isinstance(body, CompletionRequest) else "chat"

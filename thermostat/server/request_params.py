@@ -9,12 +9,17 @@ and `echo` (which asks for the prompt's logprobs too).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+
+from pydantic import ValidationError
+from starlette.requests import Request
 
 from thermostat.errors import InvalidRequest
 from thermostat.sampling import SamplingParamError, SamplingParams
 from thermostat.sampling.fields import FIELDS
 from thermostat.sampling.structured import ConstraintError, StructuredOutput
+from thermostat.server.errors import APIError, validation_error
 from thermostat.server.protocol import ChatCompletionRequest, CompletionRequest
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI and vLLM allow
@@ -30,6 +35,21 @@ def parse_body(raw: object) -> ChatCompletionRequest | CompletionRequest:
     if "prompt" in raw:
         return CompletionRequest.model_validate(raw)
     return ChatCompletionRequest.model_validate({"messages": []} | raw)
+
+
+async def read_body(request: Request) -> ChatCompletionRequest | CompletionRequest:
+    """A chat or completions body read from a request as `parse_body` reads it (routes that
+    take either: /v1/sampling/explain); raises APIError 400 for malformed JSON or fields."""
+    try:
+        raw = json.loads(await request.body())
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"malformed JSON body: {exc}", code="json_invalid") from exc
+    try:
+        return parse_body(raw)
+    except ValidationError as exc:
+        raise validation_error(list(exc.errors())) from exc
+    except InvalidRequest as exc:
+        raise APIError(400, str(exc), code="invalid_body") from exc
 
 
 def to_sampling_params(

@@ -12,9 +12,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from thermostat.errors import InvalidRequest
 from thermostat.sampling import SamplingParams
 from thermostat.server.chat import chat_chunks, chat_response
 from thermostat.server.completions import completion_chunks, completion_response
@@ -24,7 +23,6 @@ from thermostat.server.errors import (
     classify,
     count_server_error,
     error_body,
-    validation_error,
 )
 from thermostat.server.prompts import Prompt
 from thermostat.server.protocol import (
@@ -33,7 +31,7 @@ from thermostat.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from thermostat.server.request_params import parse_body, to_sampling_params
+from thermostat.server.request_params import read_body, to_sampling_params
 from thermostat.server.serving import Job
 from thermostat.server.state import ServerState
 from thermostat.server.tools import ToolRequest
@@ -192,16 +190,7 @@ async def sampling_explain(request: Request) -> dict[str, Any]:
     """The resolution of a chat or completions body, without generating. A body without
     `prompt` is read as chat; its messages may be left out."""
     state = _state(request)
-    try:
-        raw = json.loads(await request.body())
-    except json.JSONDecodeError as exc:
-        raise APIError(400, f"malformed JSON body: {exc}", code="json_invalid") from exc
-    try:
-        body = parse_body(raw)
-    except ValidationError as exc:
-        raise validation_error(list(exc.errors())) from exc
-    except InvalidRequest as exc:
-        raise APIError(400, str(exc), code="invalid_body") from exc
+    body = await read_body(request)
     if isinstance(body, ChatCompletionRequest):
         params = _chat_params(state, body)[0]
     else:
