@@ -10,6 +10,7 @@ Token order in a step's flat batch (T tokens):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,41 @@ class AttentionMetadata:
     sliding_window: int | None = None
 
 
+@dataclass(frozen=True)
+class PrefillRun:
+    """Rows [start, end) of the flat batch, attended in one SDPA call: either `count` fresh
+    sequences of `length` tokens each (plain causal attention over the chunk itself, batched),
+    or one segment that attends to context read back from the cache (`segment`)."""
+
+    start: int
+    end: int
+    count: int
+    length: int
+    segment: PrefillSegment | None  # None: a batched run of fresh sequences
+
+
+def prefill_runs(
+    segments: list[PrefillSegment], start: int, quantized: bool
+) -> Iterator[PrefillRun]:
+    """The prefill segments (their rows from `start` on) as SDPA calls: a run of fresh
+    sequences of one length is one batched causal call (one call per layer instead of one per
+    sequence); any other segment, and every segment of a quantized cache (whose context is read
+    back from the cache, as decodes read it), is a call of its own."""
+    i = 0
+    while i < len(segments):
+        seg = segments[i]
+        if seg.mask is None and not quantized:
+            j = i + 1
+            while j < len(segments) and segments[j].mask is None and segments[j].q_len == seg.q_len:
+                j += 1
+            end = start + (j - i) * seg.q_len
+            yield PrefillRun(start, end, j - i, seg.q_len, None)
+        else:
+            j, end = i + 1, start + seg.q_len
+            yield PrefillRun(start, end, 1, seg.q_len, seg)
+        start, i = end, j
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -61,18 +97,11 @@ def paged_attention(
     out = torch.empty_like(q)
     if nd:
         out[:nd] = cache.decode_attention(q[:nd], layer, meta, scale)
-    start, segs, i = nd, meta.prefills, 0
-    while i < len(segs):
-        seg = segs[i]
-        if seg.mask is None and not cache.spec.quantized:
-            # fresh sequences: the context is the chunk itself; a run of them with equal length
-            # is one batched causal SDPA (one call per layer instead of one per sequence)
-            j = i + 1
-            while j < len(segs) and segs[j].mask is None and segs[j].q_len == seg.q_len:
-                j += 1
-            n, length = j - i, seg.q_len
-            end = start + n * length
-            qs, ks, vs = (torch.unflatten(t[start:end], 0, (n, length)) for t in (q, k, v))
+    for run in prefill_runs(meta.prefills, nd, cache.spec.quantized):
+        start, end, seg = run.start, run.end, run.segment
+        if seg is None:  # fresh sequences: the context is the chunk itself
+            shape = (run.count, run.length)
+            qs, ks, vs = (torch.unflatten(t[start:end], 0, shape) for t in (q, k, v))
             o = F.scaled_dot_product_attention(
                 qs.transpose(1, 2),  # [n, Hq, q_len, D]
                 ks.transpose(1, 2),
@@ -82,9 +111,7 @@ def paged_attention(
                 enable_gqa=True,
             )
             out[start:end] = o.transpose(1, 2).flatten(0, 1)
-            start, i = end, j
             continue
-        end = start + seg.q_len
         ck, cv = cache.gather(layer, seg.block_table)
         o = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1),  # [Hq, q_len, D]
@@ -96,5 +123,4 @@ def paged_attention(
             enable_gqa=True,
         )
         out[start:end] = o.transpose(0, 1)
-        start, i = end, i + 1
     return out

@@ -168,12 +168,9 @@ class DeepseekModel(DecoderStack):
         super().__init__()
         self.arch = arch
         self.ops = ops
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        a = arch
+        self._build_ends(a.vocab_size, a.hidden_size, a.rms_norm_eps, a.tie_word_embeddings, ops)
         self.layers = nn.ModuleList(DecoderLayer(arch, i, ops) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, arch.mla.qk_rope_head_dim, max_positions, dtype)
         self.to(dtype)
         keep_routers_float32(self)

@@ -262,6 +262,16 @@ class DecoderStack(nn.Module):
     norm: RMSNorm
     lm_head: nn.Linear
 
+    def _build_ends(
+        self, vocab_size: int, hidden_size: int, rms_norm_eps: float, tie: bool, ops: CpuOps | None
+    ) -> None:
+        """The embeddings, final norm and LM head (tied to the embeddings when `tie`)."""
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.norm = RMSNorm(hidden_size, rms_norm_eps, ops)
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        if tie:
+            self.lm_head.weight = self.embed_tokens.weight
+
     @torch.inference_mode()
     def forward(
         self,
@@ -303,12 +313,9 @@ class LlamaFamilyModel(DecoderStack):
         super().__init__()
         self.arch = arch
         self.ops = ops
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        a = arch
+        self._build_ends(a.vocab_size, a.hidden_size, a.rms_norm_eps, a.tie_word_embeddings, ops)
         self.layers = nn.ModuleList(DecoderLayer(arch, i, ops) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        if arch.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, arch.head_dim, max_positions, dtype)
         self.to(dtype)
         keep_routers_float32(self)

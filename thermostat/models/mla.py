@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from thermostat.kernels import CpuOps
-from thermostat.models.attention import AttentionMetadata
+from thermostat.models.attention import AttentionMetadata, prefill_runs
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.llama import RMSNorm
 from thermostat.models.rope import apply_rotary
@@ -202,26 +202,18 @@ class MLAttention(nn.Module):
         quantized: then every context is read back from the cache, as decodes read it)."""
         scale = self.mla.softmax_scale
         out = query.new_empty(query.shape[0], self.mla.num_heads, self.mla.v_head_dim)
-        start, segs, i = 0, meta.prefills, 0
-        while i < len(segs):
-            seg = segs[i]
-            if seg.mask is None and not cache.spec.quantized:
-                # a run of fresh sequences of one length: one batched causal SDPA
-                j = i + 1
-                while j < len(segs) and segs[j].mask is None and segs[j].q_len == seg.q_len:
-                    j += 1
-                n, length = j - i, seg.q_len
-                end = start + n * length
+        for run in prefill_runs(meta.prefills, 0, cache.spec.quantized):
+            start, end, seg = run.start, run.end, run.segment
+            if seg is None:  # fresh sequences: their own new latents are the context
                 k, v = self._expand(latent[start:end])
-                qs, ks, vs = (torch.unflatten(a, 0, (n, length)) for a in (query[start:end], k, v))
+                shape = (run.count, run.length)
+                qs, ks, vs = (torch.unflatten(a, 0, shape) for a in (query[start:end], k, v))
                 o = F.scaled_dot_product_attention(
                     qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
                     is_causal=True, scale=scale,
                 )  # fmt: skip
                 out[start:end] = o.transpose(1, 2).flatten(0, 1)
-                start, i = end, j
                 continue
-            end = start + seg.q_len
             (ctx,) = cache.gather(self.layer, seg.block_table)
             k, v = self._expand(ctx[0, : seg.ctx_len])
             o = F.scaled_dot_product_attention(
@@ -233,5 +225,4 @@ class MLAttention(nn.Module):
                 scale=scale,
             )
             out[start:end] = o.transpose(0, 1)
-            start, i = end, i + 1
         return out
