@@ -90,7 +90,7 @@ def run_thermostat(llm: LLM, batch: int, args, seed: int) -> float:
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
     group = prompts(batch, args.prompt_tokens, DEEPSEEK_V3_SMALL["vocab_size"], seed)
-    engine.add_group(f"bench-{seed}-{batch}", group, params)
+    engine.add_group(f"bench-{seed}-{batch}", engine.plan(group, params))
     start, produced = time.perf_counter(), 0
     while engine.has_unfinished():
         produced += sum(len(out.new_token_ids) for out in engine.step())

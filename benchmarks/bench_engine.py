@@ -57,7 +57,10 @@ def run_thermostat(llm: LLM, batch: int, args, seed: int = 1) -> dict:
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
     batch_prompts = prompts(batch, args.prompt_tokens, 49152, seed)
-    ids = [item.req_id for item in engine.add_group(f"bench-{seed}", batch_prompts, params)]
+    ids = [
+        item.req_id
+        for item in engine.add_group(f"bench-{seed}", engine.plan(batch_prompts, params))
+    ]
     start = time.perf_counter()
     first: dict[str, float] = {}
     produced = 0

@@ -172,7 +172,7 @@ def prefill(llm: LLM, prompt: list[int], group: str) -> tuple[Prefilled, torch.T
     engine.cache.export = spy  # type: ignore[method-assign]
     try:
         params = SamplingParams(temperature=0.0, max_tokens=1)
-        engine.add_group(group, [prompt], params, handoff=True)
+        engine.add_group(group, engine.plan([prompt], params), handoff=True)
         prefilled = None
         for _ in range(MAX_PREFILL_STEPS):
             if not engine.has_unfinished():

@@ -56,22 +56,21 @@ def streamed(server, **body) -> tuple[dict[int, str], dict[int, dict]]:
     return texts, finals
 
 
-def test_an_omitted_max_tokens_near_the_context_limit_is_reported_as_applied(server, llm):
+def test_an_omitted_max_tokens_is_the_room_the_prompt_leaves(server, llm):
     prompt = llm.tokenizer.encode("ROMEO. " * 40)[: CONTEXT - 16]
     room = CONTEXT - len(prompt)
     body = dict(prompt=prompt, temperature=0.8, seed=3, ignore_eos=True)
-    fitted = {"param": "max_tokens", "requested": 256, "applied": room, "policy": "context_length"}
-
     params = SamplingParams(temperature=0.8, seed=3, ignore_eos=True)
 
     r = complete(server, **body)
     out = llm.generate([prompt], params)[0]
-    queued = llm.engine.add_group("probe", [prompt], params)
+    queued = llm.engine.add_group("probe", llm.engine.plan([prompt], params))
     running = llm.engine.scheduler.requests[queued[0].req_id].params  # what the engine runs
     llm.engine.abort(queued[0].req_id)
 
     assert r["sampling"]["effective"]["max_tokens"] == room
-    assert r["sampling"]["adjusted"] == [fitted]
+    assert r["sampling"]["source"]["max_tokens"] == "context_length"
+    assert r["sampling"]["adjusted"] == []
     assert r["sampling"] == out.sampling == queued[0].resolution.to_dict()
     assert running == queued[0].resolution.effective
     assert r["usage"]["completion_tokens"] == len(out.token_ids) == room  # what was applied
@@ -79,6 +78,25 @@ def test_an_omitted_max_tokens_near_the_context_limit_is_reported_as_applied(ser
     assert r["choices"][0]["finish_reason"] == out.finish_reason == "length"
     texts, finals = streamed(server, **body)
     assert texts[0] == out.text and finals[0]["sampling"] == out.sampling
+
+
+def test_an_operator_max_tokens_caps_omitted_ones_and_is_fitted_to_the_room():
+    capped = LLM("demo", sampling_defaults={"max_tokens": 24}, **SETTINGS)
+    params = SamplingParams(temperature=0.8, seed=3, ignore_eos=True)
+    short = capped.generate(["My lord"], params)[0]
+    assert short.sampling["effective"]["max_tokens"] == 24 == len(short.token_ids)
+    assert short.sampling["source"]["max_tokens"] == "operator"
+    assert short.sampling["adjusted"] == []
+
+    prompt = capped.tokenizer.encode("ROMEO. " * 40)[: CONTEXT - 16]
+    fitted = capped.generate([prompt], params)[0]
+    assert fitted.sampling["effective"]["max_tokens"] == 16 == len(fitted.token_ids)
+    assert fitted.sampling["source"]["max_tokens"] == "operator"
+    assert fitted.sampling["adjusted"] == [
+        {"param": "max_tokens", "requested": 24, "applied": 16, "policy": "context_length"}
+    ]
+    sent = capped.generate(["My lord"], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    assert sent.sampling["source"]["max_tokens"] == "request" and len(sent.token_ids) == 40
 
 
 def test_a_sent_max_tokens_that_does_not_fit_is_refused_and_changes_nothing(server, llm):

@@ -144,11 +144,8 @@ def test_stop_string_is_cut_and_never_emitted_partially(model_dir):
     text = base.text
     assert len(text) > 6
     stop = text[3:6]
-    engine.add_group(
-        "g",
-        [PROMPTS[3]],
-        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]),
-    )
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop])
+    engine.add_group("g", engine.plan([PROMPTS[3]], params))
     streamed, final = "", None
     for _ in range(100):
         for out in engine.step():
@@ -165,7 +162,7 @@ def test_stop_string_is_cut_and_never_emitted_partially(model_dir):
 def test_abort_frees_blocks(model_dir):
     llm = LLM(str(model_dir), dtype="float32", enable_prefix_caching=False)
     engine = llm.engine
-    ids = [item.req_id for item in engine.add_group("g", PROMPTS, GREEDY)]
+    ids = [item.req_id for item in engine.add_group("g", engine.plan(PROMPTS, GREEDY))]
     engine.step()
     assert engine.blocks.num_free_blocks < engine.blocks.num_blocks
     for req_id in ids:

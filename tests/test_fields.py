@@ -95,7 +95,7 @@ def test_every_layered_field_has_a_valid_builtin():
         validate_layered(name, value)
     assert resolve(SamplingParams(), SamplingDefaults()).source == dict.fromkeys(
         LAYERED_FIELDS, "builtin"
-    )
+    ) | {"max_tokens": "context_length"}
 
 
 def test_sampling_effective_keys_and_order_are_the_contract():
@@ -317,6 +317,19 @@ def test_spec_parses_each_layered_field_with_its_type(field):
     for text in ("nan", "inf"):
         with pytest.raises(SpecError, match=field.name):
             parse_sampling_spec(f"{field.name}={text}")
+
+
+def test_spec_takes_an_operator_max_tokens_of_at_least_one():
+    assert parse_sampling_spec("max_tokens=4096,temperature=0.6") == {
+        "max_tokens": 4096,
+        "temperature": 0.6,
+    }
+    with pytest.raises(SpecError, match="max_tokens: an operator default must be >= 1"):
+        parse_sampling_spec("max_tokens=0")
+    with pytest.raises(SpecError, match="max_tokens must be an integer"):
+        parse_sampling_spec("max_tokens=1.5")
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingDefaults(operator={"max_tokens": -3})
 
 
 def test_spec_refuses_per_request_fields():

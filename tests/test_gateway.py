@@ -444,6 +444,21 @@ def test_a_sent_max_tokens_goes_upstream_an_omitted_one_does_not(tmp_path):
     assert not any("does not know" in w for w in report["warnings"])
 
 
+def test_an_operator_max_tokens_is_sent_for_requests_that_omit_it(tmp_path):
+    with (
+        scripted_upstream() as (up, scripted, _),
+        running_gateway(up, sampling_defaults={"max_tokens": 700}) as url,
+    ):
+        omitted = client(url).chat.completions.create(model="plain", messages=PROMPT)
+        sent = client(url).chat.completions.create(model="plain", messages=PROMPT, max_tokens=9)
+        report = httpx.get(f"{url}/v1/sampling/defaults").json()
+    assert scripted.bodies[0]["max_tokens"] == 700 and scripted.bodies[1]["max_tokens"] == 9
+    assert omitted.model_extra["sampling"]["effective"]["max_tokens"] == 700
+    assert omitted.model_extra["sampling"]["source"]["max_tokens"] == "operator"
+    assert sent.model_extra["sampling"]["source"]["max_tokens"] == "request"
+    assert report["effective"]["max_tokens"] == 700 and report["source"]["max_tokens"] == "operator"
+
+
 def test_a_later_seeded_sample_is_unknown_where_the_upstream_does_not_say():
     with scripted_upstream() as (up, scripted, _), running_gateway(up) as url:
         out = client(url).chat.completions.create(model="plain", messages=PROMPT, n=2, seed=9)

@@ -22,9 +22,15 @@ def model_dir(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("handoff"), "llama", dtype=torch.bfloat16)
 
 
-def run(engine: LLMEngine, **add) -> dict[int, tuple[Completion, Prefilled | None]]:
+def add(engine: LLMEngine, group_id: str, prompts, params, **options):
+    return engine.add_group(group_id, engine.plan(prompts, params), **options)
+
+
+def run(
+    engine: LLMEngine, prompts, params, **options
+) -> dict[int, tuple[Completion, Prefilled | None]]:
     """Add one group, step until it is done; per index its completion and what it handed off."""
-    queued = engine.add_group("g", **add)
+    queued = add(engine, "g", prompts, params, **options)
     index = {q.req_id: q.index for q in queued}
     done: dict[int, tuple[Completion, Prefilled | None]] = {
         q.index: (Completion(), None) for q in queued
@@ -78,9 +84,9 @@ def test_handoff_continues_as_one_engine_would(model_dir, kv_cache_dtype, params
         assert decode.blocks.num_free_blocks == decode.blocks.num_blocks
 
 
-def first_prompt_logprobs(engine: LLMEngine, **add):
+def first_prompt_logprobs(engine: LLMEngine, prompts, params, **options):
     """The prompt logprobs of the one request of a group (its first delta carries them)."""
-    engine.add_group("p", **add)
+    add(engine, "p", prompts, params, **options)
     for _ in range(MAX_STEPS):
         for delta in engine.step():
             if delta.prompt_logprobs is not None:
@@ -109,9 +115,9 @@ def test_rows_that_do_not_fit_are_refused_and_nothing_stays(model_dir):
     params = SamplingParams(temperature=0.0, max_tokens=3)
     handed = run(prefill, prompts=[PROMPTS[0]], params=params, handoff=True)
     with pytest.raises(ValueError, match="do not fit"):  # bf16 rows into an fp8 cache
-        decode.add_group("d", [PROMPTS[0]], params, preloads=[handed[0][1]])
+        add(decode, "d", [PROMPTS[0]], params, preloads=[handed[0][1]])
     with pytest.raises(ValueError, match="do not fit"):  # rows of another prompt length
-        prefill.add_group("d", [PROMPTS[0] + [1]], params, preloads=[handed[0][1]])
+        add(prefill, "d", [PROMPTS[0] + [1]], params, preloads=[handed[0][1]])
     assert not decode.has_unfinished() and not prefill.has_unfinished()
 
 

@@ -47,6 +47,30 @@ def test_operator_defaults_beat_the_model_file(llama_dir):
         assert ask(s, temperature=0.9).sampling["source"]["temperature"] == "request"
 
 
+def test_an_omitted_max_tokens_runs_to_the_end_unless_the_operator_caps_it(llama_dir):
+    messages = [{"role": "user", "content": "Tell me a long story."}]
+    body = dict(messages=messages, temperature=0.0, extra_body={"ignore_eos": True})
+    with running_server(llama_dir, max_model_len=400) as s:
+        r = s.client().chat.completions.create(model=s.model, **body)
+        prompt = r.usage.prompt_tokens
+        assert r.usage.completion_tokens == 400 - prompt > 256  # no builtin 256 cut
+        assert r.choices[0].finish_reason == "length"
+        assert r.sampling["effective"]["max_tokens"] == 400 - prompt
+        assert r.sampling["source"]["max_tokens"] == "context_length"
+        d = httpx.get(f"{s.url}/v1/sampling/defaults").json()
+        assert d["effective"]["max_tokens"] is None
+        assert d["source"]["max_tokens"] == "context_length"
+    spec = parse_sampling_spec("max_tokens=20")
+    with running_server(llama_dir, max_model_len=400, sampling_defaults=spec) as s:
+        r = s.client().chat.completions.create(model=s.model, **body)
+        assert r.usage.completion_tokens == 20 == r.sampling["effective"]["max_tokens"]
+        assert r.sampling["source"]["max_tokens"] == "operator"
+        chunks = list(s.client().chat.completions.create(model=s.model, stream=True, **body))
+        assert chunks[-1].sampling["source"]["max_tokens"] == "operator"
+        d = httpx.get(f"{s.url}/v1/sampling/defaults").json()
+        assert d["effective"]["max_tokens"] == 20 and d["operator"] == {"max_tokens": 20}
+
+
 def test_recommended_applies_the_family_table(qwen3_dir):
     with running_server(qwen3_dir, sampling_defaults="recommended") as s:
         r = ask(s)

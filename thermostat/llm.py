@@ -102,7 +102,8 @@ class LLM:
         groups: list[list[QueuedRequest]] = []
         try:
             for prompt, p in zip(batch, params, strict=True):
-                groups.append(self.engine.add_group(f"gen-{next(self._ids)}", [prompt], p))
+                planned = self.engine.plan([prompt], p)
+                groups.append(self.engine.add_group(f"gen-{next(self._ids)}", planned))
         except BaseException:
             for group in groups:
                 for item in group:

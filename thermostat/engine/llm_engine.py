@@ -26,9 +26,9 @@ from thermostat.engine.request import Request
 from thermostat.engine.sampler import TokenLogprobs
 from thermostat.engine.scheduler import RunnerOutput, Scheduler, SchedulerConfig
 from thermostat.models.kv_cache import PagedKVCache, resolve_kv_dtype
-from thermostat.sampling.fanout import choice_resolutions
+from thermostat.sampling.fanout import Plan, plan
 from thermostat.sampling.params import SamplingParamError, SamplingParams
-from thermostat.sampling.resolve import Resolution, SamplingDefaults, resolve
+from thermostat.sampling.resolve import SamplingDefaults, resolve
 
 log = logging.getLogger("thermostat.engine")
 
@@ -104,24 +104,26 @@ class LLMEngine:
             return ids
         return list(prompt)
 
+    def plan(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams) -> Plan:
+        """Tokenize, resolve and fit: what `add_group` takes. Raises InvalidRequest
+        (SamplingParamError, GreedyRejected) for what cannot be served."""
+        resolution = resolve(params, self.sampling_defaults)
+        prompt_ids = [self.tokenize(p) for p in prompts]
+        return plan(resolution, prompt_ids, self.max_model_len, params.n or 1)
+
     def add_group(
         self,
         group_id: str,
-        prompts: Sequence[str | Sequence[int]],
-        params: SamplingParams,
-        resolution: Resolution | None = None,
+        planned: Plan,
         *,
         handoff: bool = False,
         preloads: Sequence[Prefilled | None] | None = None,
     ) -> list[QueuedRequest]:
-        """Queue `len(prompts) * n` requests, all or none; return them in index order.
+        """Queue every choice of `planned`, all or none; return them in index order.
 
-        Request `index` is sample `index % n` of prompt `index // n`, with id
-        f"{group_id}-{index}". Each runs with the group's resolution (resolved here unless
-        given) fitted to its prompt (`fit_to_context`: an omitted max_tokens is lowered to the
-        room the context leaves, and the adjustment recorded), sample j of a seeded request on
-        seed + j. Raises InvalidRequest (SamplingParamError, GreedyRejected) for what cannot be
-        served; nothing stays queued then.
+        Request `index` runs choice `index` of the plan (sample `index % n` of prompt
+        `index // n`), with id f"{group_id}-{index}". Raises SamplingParamError for token ids
+        this model does not have; nothing stays queued then.
 
         Disaggregation: with `handoff` every request computes its prompt, samples its first
         token and ends with finish_reason "handoff", its last delta carrying that (`handoff`:
@@ -129,20 +131,12 @@ class LLMEngine:
         from another engine for request `index`, which then continues from its first token as
         if it had sampled it. Raises ValueError for rows that do not fit the prompt or the cache
         (the caller checked the peer's model and cache spec)."""
-        resolution = resolution or resolve(params, self.sampling_defaults)
-        n = params.n or 1
-        prompt_ids = [self._checked_prompt(p, resolution) for p in prompts]
-        choices = choice_resolutions(
-            resolution,
-            params.max_tokens is not None,
-            [len(p) for p in prompt_ids],
-            self.max_model_len,
-            n,
-        )
+        self._check_tokens(planned)
         queued: list[QueuedRequest] = []
         try:
-            for index, choice in enumerate(choices):
-                item = QueuedRequest(f"{group_id}-{index}", index, prompt_ids[index // n], choice)
+            for index, choice in enumerate(planned.choices):
+                prompt = list(planned.prompt_of(index))
+                item = QueuedRequest(f"{group_id}-{index}", index, prompt, choice)
                 self._add(item, handoff, preloads[index] if preloads is not None else None)
                 queued.append(item)
         except BaseException:
@@ -151,16 +145,16 @@ class LLMEngine:
             raise
         return queued
 
-    def _checked_prompt(self, prompt: str | Sequence[int], resolution: Resolution) -> list[int]:
-        prompt_ids = self.tokenize(prompt)
+    def _check_tokens(self, planned: Plan) -> None:
         vocab = self.loaded.arch.vocab_size
-        if not prompt_ids:
-            raise SamplingParamError("prompt", "must not be empty")
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
-            raise SamplingParamError("prompt", f"token ids must be integers in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in resolution.effective.stop_token_ids):
-            raise SamplingParamError("stop_token_ids", f"token ids must be in [0, {vocab})")
-        return prompt_ids
+        for prompt_ids in planned.prompts:
+            if not prompt_ids:
+                raise SamplingParamError("prompt", "must not be empty")
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+                raise SamplingParamError("prompt", f"token ids must be integers in [0, {vocab})")
+        for choice in planned.choices:
+            if any(not 0 <= t < vocab for t in choice.effective.stop_token_ids):
+                raise SamplingParamError("stop_token_ids", f"token ids must be in [0, {vocab})")
 
     def _add(self, item: QueuedRequest, handoff: bool, preload: Prefilled | None) -> None:
         eff = item.resolution.effective

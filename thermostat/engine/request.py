@@ -61,6 +61,13 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
 
     @property
+    def max_tokens(self) -> int:
+        """The fitted max_tokens (the edge's plan always sets it)."""
+        if self.params.max_tokens is None:
+            raise ValueError(f"request {self.req_id}: max_tokens was not fitted to its prompt")
+        return self.params.max_tokens
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -101,7 +101,7 @@ class Scheduler:
     def add(self, req: Request) -> None:
         """Queue a request. Raises InvalidRequest if it could never fit in the KV cache alone,
         ValueError for a duplicate id (a caller's bug)."""
-        longest = min(req.num_prompt_tokens + req.params.max_tokens, self.config.max_model_len)
+        longest = min(req.num_prompt_tokens + req.max_tokens, self.config.max_model_len)
         if self.blocks.num_blocks_needed(longest) > self.blocks.num_blocks:
             raise InvalidRequest(
                 "max_tokens",
@@ -217,7 +217,7 @@ class Scheduler:
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens
         catches_up = start + n == req.num_tokens
-        sample = catches_up and req.num_output_tokens < req.params.max_tokens
+        sample = catches_up and req.num_output_tokens < req.max_tokens
         constraint = req.constraint if sample else None
         return ScheduledChunk(
             req_id=req.req_id,
@@ -275,7 +275,7 @@ class Scheduler:
                 return "error", "constraint_dead_end"
             if constraint.complete:
                 return "stop", None
-        if req.num_output_tokens >= req.params.max_tokens:
+        if req.num_output_tokens >= req.max_tokens:
             return "length", None
         if req.num_tokens >= self.config.max_model_len:
             return "length", None

@@ -15,9 +15,9 @@ When the generation_config is not known, a field no layer sets is left to the up
 source is `upstream`, its effective value `null`, and it is not sent. Every other value is sent
 explicitly, so the upstream's defaults decide nothing silently.
 
-`max_tokens` is no layered field: the client sets it or no one the gateway knows does. An
-omitted one is not sent (source `upstream`, value `null`): serve's builtin 256 sent in its place
-would cut answers the upstream lets run to the end of its context (vLLM, llama.cpp).
+`max_tokens` comes from the client, else the operator's cap (`--sampling-defaults max_tokens=N`),
+and is sent; with neither it is not sent (source `upstream`, value `null`): the upstream runs the
+answer to the end of its context, as `serve` does.
 """
 
 from __future__ import annotations
@@ -73,7 +73,6 @@ class Resolved:
     def to_dict(self) -> dict[str, Any]:
         """The `sampling` object of a response."""
         out = self.resolution.to_dict()
-        out["source"]["max_tokens"] = "request"  # the one layer that sets it; else unknown
         for name in self.unknown:
             out["effective"][name] = None
             out["source"][name] = "upstream"
@@ -115,7 +114,6 @@ class GatewayDefaults:
         info: UpstreamInfo,
         operator: dict[str, Any] | str | None,
         policy: Policy,
-        default_max_tokens: int = 256,
     ) -> GatewayDefaults:
         """Raises ValueError for a `recommended` without a known family."""
         gen = info.generation_config or GenerationConfigDefaults(path=None)
@@ -125,7 +123,6 @@ class GatewayDefaults:
             recommended=base.recommended,
             generation_config=base.generation_config,
             policy=policy,
-            default_max_tokens=default_max_tokens,
             upstream=dict(info.reported),
         )
         server = ServerDefaults(info.model, layered, gen, recommendation_for(info.model_config))
@@ -141,8 +138,8 @@ class GatewayDefaults:
         the kind cannot take (400 if the client sent it, else an adjustment)."""
         resolution = resolve(params, self.server.defaults)
         unknown = {n for n, s in resolution.source.items() if s == "builtin" and not self.known}
-        if params.max_tokens is None:
-            unknown.add("max_tokens")  # no layer the gateway knows sets it: the upstream's
+        if resolution.source["max_tokens"] == "context_length":
+            unknown.add("max_tokens")  # neither the client nor the operator: the upstream's
         return Resolved(self._supported(resolution, params), frozenset(unknown))
 
     def _supported(self, resolution: Resolution, params: SamplingParams) -> Resolution:
@@ -225,9 +222,12 @@ class GatewayDefaults:
                 sent = f"no ({self.kind.name} lacks it)"
             table.add_row(name, "unknown" if value is None else str(value),
                           base["source"][name], sent)  # fmt: skip
-        ctx = self.info.context_len
-        limit = f"no (the upstream's limit: context {ctx})" if ctx else "no (the upstream's limit)"
-        table.add_row("max_tokens", "unknown", "upstream", limit)
+        if base["effective"]["max_tokens"] is not None:
+            table.add_row("max_tokens", str(base["effective"]["max_tokens"]), "operator", "yes")
+        else:
+            ctx = self.info.context_len
+            limit = f" (its context: {ctx})" if ctx else ""
+            table.add_row("max_tokens", "unknown", "upstream", f"no (the upstream's limit{limit})")
         policy = self.server.defaults.policy
         table.caption = f"policy: min_temperature={policy.min_temperature}, greedy={policy.greedy}"
         console = Console(file=io.StringIO(), width=110, color_system=None)

@@ -1,11 +1,29 @@
-"""`n` samples of each prompt of one request: each its own engine request (a choice), with its
-own random stream and its prompt's room in the context."""
+"""A request planned once, at the edge: every choice's resolution fitted to its prompt.
+
+`n` samples of each prompt are each their own engine request (a choice), with their own random
+stream and their prompt's room in the context. `serve`, the PD decode and `LLM.generate` plan a
+request here and hand the plan to the engine, which runs exactly what it says.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from thermostat.sampling.resolve import Resolution, fit_to_context
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Choice i * n + j is sample j of prompt i; it runs with `choices[i * n + j]`."""
+
+    prompts: tuple[tuple[int, ...], ...]  # token ids
+    n: int
+    choices: tuple[Resolution, ...]
+
+    def prompt_of(self, index: int) -> tuple[int, ...]:
+        return self.prompts[index // self.n]
 
 
 def per_sample(resolution: Resolution, n: int) -> list[Resolution]:
@@ -23,19 +41,14 @@ def per_sample(resolution: Resolution, n: int) -> list[Resolution]:
     return children
 
 
-def choice_resolutions(
-    resolution: Resolution,
-    max_tokens_sent: bool,
-    prompt_lens: list[int],
-    context_len: int,
-    n: int,
-) -> list[Resolution]:
-    """The resolution of every choice, in index order (choice i * n + j is sample j of prompt
-    i): fitted to its prompt (`fit_to_context`, which may refuse), then `per_sample`."""
-    return [
+def plan(
+    resolution: Resolution, prompts: Sequence[Sequence[int]], context_len: int, n: int = 1
+) -> Plan:
+    """Every choice's resolution, in index order: fitted to its prompt (`fit_to_context`, which
+    may refuse), then `per_sample`."""
+    choices = [
         child
-        for prompt_len in prompt_lens
-        for child in per_sample(
-            fit_to_context(resolution, max_tokens_sent, prompt_len, context_len), n
-        )
+        for prompt in prompts
+        for child in per_sample(fit_to_context(resolution, len(prompt), context_len), n)
     ]
+    return Plan(tuple(tuple(p) for p in prompts), n, tuple(choices))

@@ -169,7 +169,8 @@ FIELDS: tuple[SamplingField, ...] = (
     SamplingField("presence_penalty", float, "OpenAI: logit -= p if the token is in the output",
                   layered=True, neutral=0.0, batch_dtype=_FLOAT,
                   low=Bound(-2.0), high=Bound(2.0)),
-    SamplingField("max_tokens", int, "tokens to generate at most; unset = the server's default",
+    SamplingField("max_tokens", int,
+                  "tokens to generate at most; unset = the operator's cap, else the context's room",
                   low=_ZERO, reported=True, aliases=("max_completion_tokens",)),
     SamplingField("min_tokens", int, "EOS and stop token ids are banned before this many",
                   neutral=0, low=_ZERO),
@@ -197,6 +198,10 @@ FIELD: dict[str, SamplingField] = {f.name: f for f in FIELDS}
 # builtin. The other fields belong to one request only and take their neutral value when unset.
 LAYERED_FIELDS: tuple[str, ...] = tuple(f.name for f in FIELDS if f.layered)
 
+# What an operator may default (`--sampling-defaults`): the layered fields, and max_tokens, a cap
+# on requests that omit it (without one they run to the end of the context).
+OPERATOR_FIELDS: tuple[str, ...] = (*LAYERED_FIELDS, "max_tokens")
+
 # Neutral OpenAI-style values: the `builtin` layer.
 BUILTIN: dict[str, Any] = {f.name: f.neutral for f in FIELDS if f.layered}
 
@@ -205,3 +210,13 @@ REPORTED_FIELDS: tuple[str, ...] = tuple(f.name for f in FIELDS if f.layered or 
 
 # The sampler's per-row inputs: one SamplingBatch column each.
 BATCH_FIELDS: tuple[SamplingField, ...] = tuple(f for f in FIELDS if f.batch_dtype)
+
+
+def check_operator(name: str, value: Any) -> None:
+    """Raise SamplingParamError unless `value` is a valid operator default of field `name`
+    (an operator's max_tokens caps answers, so it must allow one token)."""
+    if name not in OPERATOR_FIELDS:
+        raise SamplingParamError(name, "is not a field an operator can default")
+    FIELD[name].check(value)
+    if name == "max_tokens" and value < 1:
+        raise SamplingParamError(name, f"an operator default must be >= 1, got {value}")

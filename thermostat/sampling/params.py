@@ -94,7 +94,7 @@ class EffectiveParams:
     repetition_penalty: float
     frequency_penalty: float
     presence_penalty: float
-    max_tokens: int
+    max_tokens: int | None  # None: the room the prompt leaves in the context, until fitted
     min_tokens: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()

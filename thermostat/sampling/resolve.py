@@ -12,8 +12,10 @@ Layers, highest first; the first layer that sets a field wins:
 
 Policies run after the layers, each recorded as an Adjustment: min_temperature raises any lower
 temperature (an explicit 0 included); greedy="reject" refuses an explicit temperature 0.
-Once the prompt is tokenized, `fit_to_context` lowers an omitted max_tokens to the room the
-context leaves (policy "context_length"): the engine runs exactly what the resolution says.
+`max_tokens` comes from the request, else the operator (a cap), else it is the room the prompt
+leaves in the context (source `context_length`, value null until the prompt is known). Once the
+prompt is tokenized, `fit_to_context` sets that room, or lowers an operator's cap to it (an
+Adjustment, policy "context_length"): the engine runs exactly what the resolution says.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from thermostat.errors import InvalidRequest
+from thermostat.sampling.fields import check_operator
 from thermostat.sampling.params import (
     BUILTIN,
     LAYERED_FIELDS,
@@ -77,10 +80,11 @@ class SamplingDefaults:
     recommended: Mapping[str, Any] | None = None  # None: the operator did not opt in
     generation_config: Mapping[str, Any] = field(default_factory=dict)
     policy: Policy = field(default_factory=Policy)
-    default_max_tokens: int = 256
 
     def __post_init__(self) -> None:
-        for layer in (self.operator, self.recommended or {}, self.generation_config):
+        for name, value in self.operator.items():
+            check_operator(name, value)
+        for layer in (self.recommended or {}, self.generation_config):
             for name, value in layer.items():
                 if name not in LAYERED_FIELDS:
                     raise ValueError(f"unknown sampling field {name!r}")
@@ -98,7 +102,8 @@ class SamplingDefaults:
 
 @dataclass(frozen=True)
 class Resolution:
-    """Effective parameters, the source of each layered field, and policy adjustments."""
+    """Effective parameters, the source of each layered field and of max_tokens, and policy
+    adjustments."""
 
     effective: EffectiveParams
     source: dict[str, str]
@@ -158,10 +163,15 @@ def resolve(params: SamplingParams, defaults: SamplingDefaults) -> Resolution:
     params.validate()
     values, source = resolve_layers(params.sent(), defaults)
     adjusted = apply_policy(values, source, defaults.policy)
+    max_tokens = params.max_tokens
+    source["max_tokens"] = "request"
+    if max_tokens is None:
+        max_tokens = defaults.operator.get("max_tokens")
+        source["max_tokens"] = "context_length" if max_tokens is None else "operator"
     stop = params.stop
     effective = EffectiveParams(
         **values,
-        max_tokens=defaults.default_max_tokens if params.max_tokens is None else params.max_tokens,
+        max_tokens=max_tokens,
         min_tokens=params.min_tokens or 0,
         seed=params.seed,
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
@@ -177,30 +187,28 @@ def resolve(params: SamplingParams, defaults: SamplingDefaults) -> Resolution:
     return Resolution(effective=effective, source=source, adjusted=tuple(adjusted))
 
 
-def fit_to_context(
-    resolution: Resolution, max_tokens_sent: bool, prompt_len: int, context_len: int
-) -> Resolution:
+def fit_to_context(resolution: Resolution, prompt_len: int, context_len: int) -> Resolution:
     """The resolution of one prompt of `prompt_len` tokens in a context of `context_len`. An
-    omitted max_tokens larger than the room left is lowered to it and recorded as an
-    Adjustment (policy "context_length"); a sent one that does not fit is refused
-    (SamplingParamError), as is a prompt that leaves no room to generate."""
+    omitted max_tokens becomes the room left; an operator's cap larger than the room is lowered
+    to it and recorded as an Adjustment (policy "context_length"); a sent one that does not fit
+    is refused (SamplingParamError), as is a prompt that leaves no room to generate."""
     eff = resolution.effective
     room = context_len - prompt_len
-    if max_tokens_sent and eff.max_tokens > room:
+    wanted = room if eff.max_tokens is None else eff.max_tokens
+    if resolution.source["max_tokens"] == "request" and wanted > room:
         raise SamplingParamError(
             "max_tokens",
-            f"prompt ({prompt_len} tokens) + max_tokens ({eff.max_tokens}) exceeds the "
+            f"prompt ({prompt_len} tokens) + max_tokens ({wanted}) exceeds the "
             f"context length ({context_len})",
         )
-    if room <= 0 and eff.max_tokens > 0:
+    if room <= 0 and (eff.max_tokens is None or eff.max_tokens > 0):
         raise SamplingParamError(
             "prompt", f"prompt of {prompt_len} tokens fills the context length"
         )
-    if eff.max_tokens <= room:
+    adjusted = resolution.adjusted
+    if eff.max_tokens is not None and eff.max_tokens > room:
+        adjusted = (*adjusted, Adjustment("max_tokens", eff.max_tokens, room, "context_length"))
+    if eff.max_tokens == min(wanted, room):
         return resolution
-    adjustment = Adjustment("max_tokens", eff.max_tokens, room, "context_length")
-    return dataclasses.replace(
-        resolution,
-        effective=dataclasses.replace(eff, max_tokens=room),
-        adjusted=(*resolution.adjusted, adjustment),
-    )
+    effective = dataclasses.replace(eff, max_tokens=min(wanted, room))
+    return dataclasses.replace(resolution, effective=effective, adjusted=adjusted)

@@ -2,7 +2,7 @@
 
 | SPEC                          | meaning                                                   |
 |-------------------------------|-----------------------------------------------------------|
-| `temperature=0.6,top_p=0.95`  | operator values for the layered fields named              |
+| `temperature=0.6,top_p=0.95`  | operator values for the layered fields named (and max_tokens) |
 | `path/to/defaults.json`       | a JSON object of the same keys                            |
 | `recommended`                 | opt in to the model family's published values             |
 
@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from thermostat.sampling.fields import FIELD, LAYERED_FIELDS, SamplingParamError
+from thermostat.sampling.fields import FIELD, OPERATOR_FIELDS, SamplingParamError, check_operator
 
 
 class SpecError(ValueError):
@@ -68,9 +68,9 @@ def _parse_pairs(spec: str) -> dict[str, Any]:
 
 
 def _check_known(key: str, where: str) -> None:
-    if key not in LAYERED_FIELDS:
+    if key not in OPERATOR_FIELDS:
         raise SpecError(
-            f"{where}unknown sampling field {key!r}; known: {', '.join(LAYERED_FIELDS)}"
+            f"{where}unknown sampling field {key!r}; known: {', '.join(OPERATOR_FIELDS)}"
         )
 
 
@@ -78,7 +78,7 @@ def _validated(values: dict[str, Any], where: str) -> dict[str, Any]:
     for key, value in values.items():
         _check_known(key, where)
         try:
-            FIELD[key].check(value)
+            check_operator(key, value)
         except SamplingParamError as exc:
             raise SpecError(f"{where}{exc}") from exc
     return values

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 from thermostat.engine.llm_engine import LLMEngine
 from thermostat.engine.outputs import Prefilled, QueuedRequest, RequestDelta
-from thermostat.sampling import Resolution, SamplingParams
+from thermostat.sampling.fanout import Plan
 from thermostat.server.errors import EngineError
 
 log = logging.getLogger("thermostat.server")
@@ -47,12 +47,10 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class GroupInput:
-    """One response's requests: `len(prompts) * n` engine requests (LLMEngine.add_group)."""
+    """One response's requests: a plan's choices, each an engine request (LLMEngine.add_group)."""
 
     group_id: str
-    prompts: list[list[int]]  # token ids
-    params: SamplingParams
-    resolution: Resolution
+    plan: Plan
     handoff: bool = False  # prefill role: compute, sample the first token, hand over
     preloads: list[Prefilled] | None = None  # decode role: a prefill's handoff per choice
 
@@ -331,9 +329,7 @@ class AsyncEngine:
         try:
             queued = self.engine.add_group(
                 group.group_id,
-                group.prompts,
-                group.params,
-                group.resolution,
+                group.plan,
                 handoff=group.handoff,
                 preloads=group.preloads,
             )

@@ -55,7 +55,8 @@ def add_policy_arguments(s: argparse._ActionsContainer) -> None:
         "--sampling-defaults",
         metavar="SPEC",
         help="operator defaults: key=value,... | a JSON file | 'recommended' (the family's "
-        "published values); they beat generation_config.json",
+        "published values); they beat generation_config.json. max_tokens=N caps requests that "
+        "omit it (without it they run to the end of the context)",
     )
     s.add_argument(
         "--min-temperature",

@@ -133,6 +133,9 @@ class ServerDefaults:
                 str(gen.get(name, "-")),
                 str(rec.get(name, "-")),
             )
+        cap = base.effective.max_tokens
+        room = "the room the prompt leaves in the context"
+        table.add_row("max_tokens", room if cap is None else str(cap), base.source["max_tokens"])
         policy = self.defaults.policy
         table.caption = (
             f"policy: min_temperature={policy.min_temperature}, greedy={policy.greedy}"

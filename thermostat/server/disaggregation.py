@@ -44,12 +44,10 @@ from starlette.requests import Request
 from thermostat.disagg.bootstrap import BootstrapServer, RoomError, RoomTable, claim
 from thermostat.disagg.handoff import disagreements, fingerprint, from_handoff, to_handoff
 from thermostat.engine.outputs import Prefilled
-from thermostat.sampling import Resolution
-from thermostat.sampling.fanout import choice_resolutions
+from thermostat.sampling.fanout import Plan
 from thermostat.server.disconnect import ClientGone, until_disconnected
 from thermostat.server.errors import APIError
 from thermostat.server.metrics import Metrics
-from thermostat.server.prompts import Prompt
 from thermostat.server.serving import Job
 
 log = logging.getLogger("thermostat.server")
@@ -196,19 +194,13 @@ class DecodeRole(Role):
     async def fetch(
         self,
         rooms: Rooms,
-        prompts: list[Prompt],
-        resolution: Resolution,
-        max_tokens_sent: bool,
-        n: int,
-        context_len: int,
+        planned: Plan,
         request: Request,
     ) -> tuple[list[Prefilled], dict[str, Any]]:
-        """Each choice's handoff, checked; and what joins the response's `sampling`. Raises
-        APIError (4xx if this server would refuse the request alone, 502/504 as tabled)."""
+        """Each choice's handoff, checked against the plan this decode will run; and what joins
+        the response's `sampling`. Raises APIError (502/504 as tabled, 409 on a mismatch)."""
         start = time.monotonic()
-        choices = choice_resolutions(
-            resolution, max_tokens_sent, [len(p.token_ids) for p in prompts], context_len, n
-        )
+        choices = planned.choices
 
         async def one(index: int) -> Prefilled:
             host, port = rooms.host, rooms.port
@@ -219,7 +211,7 @@ class DecodeRole(Role):
                 raise _room_error(exc) from exc
             except ValueError as exc:  # a malformed header: a peer of another version?
                 raise APIError(409, str(exc), type="server_error", code="pd_mismatch") from exc
-            prompt = prompts[index // n].token_ids
+            prompt = list(planned.prompt_of(index))
             mine = fingerprint(self.model, self.kv_cache, prompt, choices[index].to_dict())
             if found := disagreements(theirs, mine):
                 raise APIError(

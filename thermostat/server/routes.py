@@ -15,12 +15,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from thermostat.sampling import SamplingParams
+from thermostat.sampling.fanout import Plan
 from thermostat.server.chat import chat_chunks, chat_response
 from thermostat.server.completions import completion_chunks, completion_response
 from thermostat.server.disaggregation import PrefillRole, Rooms
 from thermostat.server.errors import (
     APIError,
-    classify,
     count_server_error,
     error_body,
 )
@@ -111,35 +111,30 @@ async def _submit(
     here, once handed off), or the decode half (once its prefill's KV is in hand)."""
     state = _state(request)
     role = state.role
-    if role is None:
-        return await state.serving.submit(endpoint, body.model, prompts, params)
-    rooms = Rooms.of(body)
-    if params.max_tokens == 0:
-        raise APIError(400, "a disaggregated request must generate", param="max_tokens")
     if isinstance(role, PrefillRole):
+        rooms = Rooms.of(body)
         try:
-            job = await state.serving.submit(endpoint, body.model, prompts, params, handoff=True)
+            planned = _disaggregated(state.serving.plan(body.model, prompts, params))
+            job = await state.serving.submit(endpoint, prompts, planned, handoff=True)
         except APIError as err:
             choices = len(prompts) * (params.n or 1)
             role.fail(rooms, choices, "prefill_refused", f"{err.status}: {err.info.message}")
             raise
         return JSONResponse(await role.serve(job, rooms, request))
-    try:
-        resolution = state.serving.explain(body.model, params)
-    except Exception as exc:
-        raise classify(exc) from exc
-    preloads, extra = await role.fetch(
-        rooms,
-        prompts,
-        resolution,
-        params.max_tokens is not None,
-        params.n or 1,
-        state.max_model_len,
-        request,
-    )
+    planned = state.serving.plan(body.model, prompts, params)
+    if role is None:
+        return await state.serving.submit(endpoint, prompts, planned)
+    preloads, extra = await role.fetch(Rooms.of(body), _disaggregated(planned), request)
     return await state.serving.submit(
-        endpoint, body.model, prompts, params, preloads=preloads, sampling_extra=extra
+        endpoint, prompts, planned, preloads=preloads, sampling_extra=extra
     )
+
+
+def _disaggregated(planned: Plan) -> Plan:
+    """A plan a prefill/decode pair can serve: every choice generates."""
+    if any(choice.effective.max_tokens == 0 for choice in planned.choices):
+        raise APIError(400, "a disaggregated request must generate", param="max_tokens")
+    return planned
 
 
 def _chat_params(

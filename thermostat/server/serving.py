@@ -30,6 +30,7 @@ from thermostat.sampling import (
     SamplingParams,
     resolve,
 )
+from thermostat.sampling.fanout import Plan, plan
 from thermostat.server.async_engine import AsyncEngine, GroupInput, OutputStream
 from thermostat.server.disconnect import until_disconnected
 from thermostat.server.errors import APIError, classify
@@ -223,8 +224,10 @@ class Serving:
         metrics: Metrics,
         max_queue: int | None,
         retry_after_s: int,
+        context_len: int,
     ) -> None:
         self.model = model
+        self.context_len = context_len
         self.engine = engine
         self.defaults = defaults
         self.metrics = metrics
@@ -244,22 +247,33 @@ class Serving:
         self.check_model(model)
         return resolve(params, self.defaults)
 
+    def plan(self, model: str | None, prompts: list[Prompt], params: SamplingParams) -> Plan:
+        """The request's one plan: resolved, each choice fitted to its prompt. Raises APIError
+        (4xx) for what cannot be served."""
+        self.check_model(model)
+        try:
+            resolution = resolve(params, self.defaults)
+            ids = [p.token_ids for p in prompts]
+            return plan(resolution, ids, self.context_len, params.n or 1)
+        except Exception as exc:
+            if isinstance(exc, GreedyRejected):
+                self.metrics.adjustments.labels("greedy_reject").inc()
+            raise classify(exc) from exc
+
     async def submit(
         self,
         endpoint: str,
-        model: str | None,
         prompts: list[Prompt],
-        params: SamplingParams,
+        planned: Plan,
         *,
         handoff: bool = False,
         preloads: list[Prefilled] | None = None,
         sampling_extra: dict[str, Any] | None = None,
     ) -> Job:
-        """Resolve and queue; raises APIError (4xx for bad input, 503 when the queue is full)
-        before anything is sent to the client. `handoff` and `preloads`: the prefill and
+        """Queue a planned request; raises APIError (4xx for bad input, 503 when the queue is
+        full) before anything is sent to the client. `handoff` and `preloads`: the prefill and
         decode roles (LLMEngine.add_group); `sampling_extra` joins every `sampling` object."""
         arrival = time.monotonic()
-        self.check_model(model)
         if self.max_queue is not None and self.engine.num_waiting >= self.max_queue:
             raise APIError(
                 503,
@@ -271,18 +285,10 @@ class Serving:
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         job_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
-            resolution = resolve(params, self.defaults)
-            group = GroupInput(
-                job_id, [p.token_ids for p in prompts], params, resolution, handoff, preloads
-            )
-            stream = await self.engine.add(group)
+            stream = await self.engine.add(GroupInput(job_id, planned, handoff, preloads))
         except Exception as exc:  # refusals become 4xx; an engine that is down, a 500
-            if isinstance(exc, GreedyRejected):
-                self.metrics.adjustments.labels("greedy_reject").inc()
             raise classify(exc) from exc
-        job = Job(
-            job_id, endpoint, self.model, prompts, params.n or 1, stream, self.metrics, arrival
-        )
+        job = Job(job_id, endpoint, self.model, prompts, planned.n, stream, self.metrics, arrival)
         job.sampling_extra = sampling_extra or {}
         self.metrics.on_admitted(job.resolution(), sum(len(p.token_ids) for p in prompts))
         return job

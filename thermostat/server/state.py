@@ -114,6 +114,7 @@ class ServerState:
             self.metrics,
             self.config.max_queue,
             self.config.retry_after_s,
+            engine.max_model_len,
         )
         if self.status == "loading":
             self.status = "ready"
