@@ -10,6 +10,9 @@ import typing
 import pydantic
 import pytest
 
+from thermostat.api.errors import classify
+from thermostat.api.protocol import ChatCompletionRequest, CompletionRequest
+from thermostat.api.request_params import parse_body, to_sampling_params
 from thermostat.engine.sampler import _TORCH_DTYPES, SamplingBatch
 from thermostat.sampling import (
     FIELDS,
@@ -23,9 +26,6 @@ from thermostat.sampling import (
 from thermostat.sampling.fields import BATCH_FIELDS, BUILTIN, FIELD, INT64, SamplingField
 from thermostat.sampling.params import validate_layered
 from thermostat.sampling.spec import SpecError, parse_sampling_spec
-from thermostat.server.errors import classify
-from thermostat.server.protocol import ChatCompletionRequest, CompletionRequest
-from thermostat.server.request_params import parse_body, to_sampling_params
 
 NUMBERS = [f for f in FIELDS if f.type in (int, float)]
 FLOATS = [f for f in FIELDS if f.type is float]

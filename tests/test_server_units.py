@@ -8,10 +8,10 @@ import json
 import pytest
 
 from tests.conftest import write_model
+from thermostat.api.defaults import ServerDefaults
 from thermostat.cli import main
 from thermostat.sampling import Policy
 from thermostat.sampling.spec import SpecError, parse_sampling_spec
-from thermostat.server.defaults import ServerDefaults
 
 
 def test_spec_pairs_file_and_recommended(tmp_path):
@@ -133,7 +133,7 @@ def test_serve_without_the_demo_model_says_so(tmp_path, monkeypatch, capsys):
 
 
 def test_json_depth_counts_brackets_outside_strings_only():
-    from thermostat.server.body_limits import json_depth_exceeds
+    from thermostat.api.body_limits import json_depth_exceeds
 
     nested = b'{"y": ' + b"[" * 70 + b"]" * 70 + b"}"
     assert json_depth_exceeds(nested, 64) and not json_depth_exceeds(nested, 71)

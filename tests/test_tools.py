@@ -115,7 +115,7 @@ def test_parser_by_family_and_override():
 def test_forced_call_grammar_only_admits_calls_the_parser_reads(name):
     """Random walks through each parser's required-call grammar always parse into valid calls
     of the given tools, with arguments that match their schemas."""
-    from thermostat.server.protocol import ChatCompletionRequest
+    from thermostat.api.protocol import ChatCompletionRequest
     from thermostat.server.tools import ToolRequest
 
     parser = PARSERS[name]()

@@ -54,9 +54,9 @@ def _read_request(arg: str | None) -> Any:
 
 
 def explain_offline(args: argparse.Namespace, raw: Any) -> dict[str, Any]:
+    from thermostat.api.defaults import ServerDefaults
+    from thermostat.api.request_params import parse_body, to_sampling_params
     from thermostat.engine.loader import resolve_model_path
-    from thermostat.server.defaults import ServerDefaults
-    from thermostat.server.request_params import parse_body, to_sampling_params
 
     model_dir = resolve_model_path(args.model)
     policy = Policy(min_temperature=args.min_temperature, greedy=args.greedy)
@@ -90,7 +90,7 @@ def render(result: dict[str, Any]) -> Table:
         adj = adjusted.get(name)
         note = f"{adj['requested']} -> {adj['applied']} ({adj['policy']})" if adj else ""
         source = sampling["source"].get(name, "request" if value is not None else "-")
-        shown = "the prompt's room" if source == "context_length" and value is None else value
+        shown = "room left" if source == "context_length" and value is None else value
         table.add_row(name, str(shown), source, note)
     return table
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from thermostat.api.body_limits import BodyLimitsMiddleware
+from thermostat.api.errors import install_error_handlers
+from thermostat.api.middleware import GateMiddleware
 from thermostat.gateway.config import GatewayConfig
 from thermostat.gateway.routes import router
 from thermostat.gateway.state import GatewayState
-from thermostat.server.body_limits import BodyLimitsMiddleware
-from thermostat.server.errors import install_error_handlers
-from thermostat.server.middleware import GateMiddleware
 
 
 def create_gateway_app(config: GatewayConfig) -> FastAPI:

@@ -9,18 +9,18 @@ import os
 import sys
 from pathlib import Path
 
-from thermostat.gateway.app import create_gateway_app
-from thermostat.gateway.config import GatewayConfig
-from thermostat.gateway.kinds import KINDS
-from thermostat.gateway.launch import GatewayServer
-from thermostat.sampling.spec import parse_sampling_spec
-from thermostat.server.command import (
+from thermostat.api.arguments import (
     add_listen_arguments,
     add_operations_arguments,
     add_policy_arguments,
     add_stop_on_loop_argument,
     policy_from,
 )
+from thermostat.gateway.app import create_gateway_app
+from thermostat.gateway.config import GatewayConfig
+from thermostat.gateway.kinds import KINDS
+from thermostat.gateway.launch import GatewayServer
+from thermostat.sampling.spec import parse_sampling_spec
 
 HELP = "serve Thermostat's sampling policy in front of vLLM, SGLang, llama.cpp or any OpenAI API"
 EPILOG = """examples:

@@ -31,6 +31,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from thermostat.api.defaults import ServerDefaults
 from thermostat.gateway.discovery import UpstreamInfo
 from thermostat.gateway.kinds import KINDS, UpstreamKind
 from thermostat.sampling import (
@@ -47,7 +48,6 @@ from thermostat.sampling.defaults import build_sampling_defaults
 from thermostat.sampling.fields import BUILTIN
 from thermostat.sampling.generation_config import GenerationConfigDefaults
 from thermostat.sampling.recommendations import recommendation_for
-from thermostat.server.defaults import ServerDefaults
 
 
 @dataclass(frozen=True)

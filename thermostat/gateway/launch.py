@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from thermostat.api.lifecycle import DrainingServer
 from thermostat.gateway.config import GatewayConfig
 from thermostat.gateway.state import GatewayState
-from thermostat.server.uvicorn_server import DrainingServer
 
 
 class GatewayServer(DrainingServer):

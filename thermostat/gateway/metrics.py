@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram, generate_latest
 
-from thermostat.server.metrics import LATENCY_BUCKETS, Metrics
+from thermostat.api.metrics import LATENCY_BUCKETS, Metrics
 
 ENGINE_ONLY = ("kv_usage", "prefix_hit_rate", "waiting", "handoffs", "handoff_bytes",
                "handoff_wait", "rooms_parked", "itl", "prompt_tokens")  # fmt: skip

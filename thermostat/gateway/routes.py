@@ -14,6 +14,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from thermostat.api.disconnect import until_disconnected
+from thermostat.api.errors import APIError, classify, error_body
+from thermostat.api.protocol import ChatCompletionRequest, CompletionRequest
+from thermostat.api.request_params import read_body, to_sampling_params
 from thermostat.gateway.fold import Fold
 from thermostat.gateway.forward import upstream_body
 from thermostat.gateway.relay import Sampling, StreamAnnotator, annotate
@@ -21,10 +25,6 @@ from thermostat.gateway.state import GatewayState
 from thermostat.gateway.tools import tool_constraint
 from thermostat.gateway.upstream import UpstreamError
 from thermostat.sampling import GreedyRejected
-from thermostat.server.disconnect import until_disconnected
-from thermostat.server.errors import APIError, classify, error_body
-from thermostat.server.protocol import ChatCompletionRequest, CompletionRequest
-from thermostat.server.request_params import read_body, to_sampling_params
 
 router = APIRouter()
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}

@@ -19,13 +19,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
+from thermostat.api.errors import APIError
 from thermostat.gateway.config import GatewayConfig
 from thermostat.gateway.defaults import GatewayDefaults
 from thermostat.gateway.discovery import UpstreamInfo, discover
 from thermostat.gateway.metrics import GatewayMetrics
 from thermostat.gateway.upstream import Upstream
 from thermostat.sampling.generation_config import read_generation_config
-from thermostat.server.errors import APIError
 
 log = logging.getLogger("thermostat.gateway")
 

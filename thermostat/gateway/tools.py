@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from thermostat.api.protocol import ChatCompletionRequest
 from thermostat.sampling.structured import StructuredOutput, closed
-from thermostat.server.protocol import ChatCompletionRequest
 from thermostat.server.tool_parsers import parser_for
 from thermostat.server.tools import ToolRequest
 

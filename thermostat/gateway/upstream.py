@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from thermostat.server.errors import APIError
+from thermostat.api.errors import APIError
 
 PASSED_THROUGH = {503}  # besides every 4xx
 

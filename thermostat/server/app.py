@@ -6,12 +6,12 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
+from thermostat.api.body_limits import BodyLimitsMiddleware
+from thermostat.api.defaults import ServerDefaults
+from thermostat.api.errors import install_error_handlers
+from thermostat.api.middleware import GateMiddleware
 from thermostat.engine.loader import DEMO_MODEL_DIR, ModelLoadError, resolve_model_path
-from thermostat.server.body_limits import BodyLimitsMiddleware
 from thermostat.server.config import ServerConfig
-from thermostat.server.defaults import ServerDefaults
-from thermostat.server.errors import install_error_handlers
-from thermostat.server.middleware import GateMiddleware
 from thermostat.server.routes import router
 from thermostat.server.state import ServerState
 

@@ -36,10 +36,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from thermostat.api.errors import EngineError
 from thermostat.engine.llm_engine import LLMEngine
 from thermostat.engine.outputs import Prefilled, QueuedRequest, RequestDelta
 from thermostat.sampling.fanout import Plan
-from thermostat.server.errors import EngineError
 
 log = logging.getLogger("thermostat.server")
 T = TypeVar("T")

@@ -7,8 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from thermostat.server.logprobs import TokenText, chat_logprobs
-from thermostat.server.protocol import (
+from thermostat.api.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -16,6 +15,7 @@ from thermostat.server.protocol import (
     ChatMessageOut,
     DeltaMessage,
 )
+from thermostat.server.logprobs import TokenText, chat_logprobs
 from thermostat.server.serving import Job
 from thermostat.server.tools import ToolRequest, ToolStream, tool_calls
 

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
+from thermostat.api.arguments import (
+    add_listen_arguments,
+    add_operations_arguments,
+    add_policy_arguments,
+    add_stop_on_loop_argument,
+    policy_from,
+)
 from thermostat.engine.config import EngineConfig
-from thermostat.sampling import Policy
 from thermostat.sampling.spec import parse_sampling_spec
 from thermostat.server.config import ServerConfig
 from thermostat.server.tool_parsers import PARSERS
@@ -33,73 +38,6 @@ EPILOG = """examples:
 exit status: 0 after a clean shutdown, 1 the model failed to load, 2 bad flags or configuration.
 """
 ENGINE_DEFAULTS = EngineConfig()
-
-
-def add_listen_arguments(p: argparse.ArgumentParser) -> None:
-    """--host and --port (serve and gateway)."""
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-
-
-def add_stop_on_loop_argument(g: argparse._ActionsContainer) -> None:
-    g.add_argument(
-        "--stop-on-loop",
-        action="store_true",
-        help="end a generation once it certainly loops (finish_reason stop, stop_reason loop)",
-    )
-
-
-def add_policy_arguments(s: argparse._ActionsContainer) -> None:
-    """--sampling-defaults, --min-temperature, --greedy (serve and gateway): see `policy_from`."""
-    s.add_argument(
-        "--sampling-defaults",
-        metavar="SPEC",
-        help="operator defaults: key=value,... | a JSON file | 'recommended' (the family's "
-        "published values); they beat generation_config.json. max_tokens=N caps requests that "
-        "omit it (without it they run to the end of the context)",
-    )
-    s.add_argument(
-        "--min-temperature",
-        type=float,
-        metavar="T",
-        help="raise any lower temperature to T, an explicit 0 included (recorded as adjusted)",
-    )
-    s.add_argument(
-        "--greedy",
-        default="allow",
-        choices=["allow", "reject"],
-        help="what to do with an explicit temperature 0 (reject: 400 that explains why)",
-    )
-
-
-def add_operations_arguments(o: argparse._ActionsContainer) -> None:
-    """--max-queue, --api-key, --drain-timeout, --max-body-mb (serve and gateway)."""
-    o.add_argument("--max-queue", type=int, metavar="N", help="503 + Retry-After at N waiting")
-    o.add_argument(
-        "--api-key",
-        default=os.environ.get("THERMOSTAT_API_KEY"),
-        metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on /v1 (default: $THERMOSTAT_API_KEY)",
-    )
-    o.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=60.0,
-        metavar="S",
-        help="on SIGTERM, seconds in-flight requests may take to finish",
-    )
-    o.add_argument(
-        "--max-body-mb",
-        type=float,
-        default=16.0,
-        metavar="MB",
-        help="request bodies larger than this get a 413 before they are read",
-    )
-
-
-def policy_from(args: argparse.Namespace) -> Policy:
-    """The policy of `add_policy_arguments`' flags; raises ValueError for a bad value."""
-    return Policy(min_temperature=args.min_temperature, greedy=args.greedy)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -41,13 +41,13 @@ from typing import Any
 
 from starlette.requests import Request
 
+from thermostat.api.disconnect import ClientGone, until_disconnected
+from thermostat.api.errors import APIError
+from thermostat.api.metrics import Metrics
 from thermostat.disagg.bootstrap import BootstrapServer, RoomError, RoomTable, claim
 from thermostat.disagg.handoff import disagreements, fingerprint, from_handoff, to_handoff
 from thermostat.engine.outputs import Prefilled
 from thermostat.sampling.fanout import Plan
-from thermostat.server.disconnect import ClientGone, until_disconnected
-from thermostat.server.errors import APIError
-from thermostat.server.metrics import Metrics
 from thermostat.server.serving import Job
 
 log = logging.getLogger("thermostat.server")

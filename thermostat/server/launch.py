@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from thermostat.api.lifecycle import DrainingServer
 from thermostat.server.app import create_app
 from thermostat.server.config import ServerConfig
 from thermostat.server.state import ServerState
-from thermostat.server.uvicorn_server import DrainingServer
 
 
 class ThermostatServer(DrainingServer):

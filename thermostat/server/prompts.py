@@ -23,8 +23,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from thermostat.server.errors import APIError
-from thermostat.server.protocol import ChatMessage
+from thermostat.api.errors import APIError
+from thermostat.api.protocol import ChatMessage
 
 
 @dataclass(frozen=True)

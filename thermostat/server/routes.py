@@ -14,24 +14,24 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
-from thermostat.sampling import SamplingParams
-from thermostat.sampling.fanout import Plan
-from thermostat.server.chat import chat_chunks, chat_response
-from thermostat.server.completions import completion_chunks, completion_response
-from thermostat.server.disaggregation import PrefillRole, Rooms
-from thermostat.server.errors import (
+from thermostat.api.errors import (
     APIError,
     count_server_error,
     error_body,
 )
-from thermostat.server.prompts import Prompt
-from thermostat.server.protocol import (
+from thermostat.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from thermostat.server.request_params import read_body, to_sampling_params
+from thermostat.api.request_params import read_body, to_sampling_params
+from thermostat.sampling import SamplingParams
+from thermostat.sampling.fanout import Plan
+from thermostat.server.chat import chat_chunks, chat_response
+from thermostat.server.completions import completion_chunks, completion_response
+from thermostat.server.disaggregation import PrefillRole, Rooms
+from thermostat.server.prompts import Prompt
 from thermostat.server.serving import Job
 from thermostat.server.state import ServerState
 from thermostat.server.tools import ToolRequest

@@ -20,6 +20,10 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from thermostat.api.disconnect import until_disconnected
+from thermostat.api.errors import APIError, classify
+from thermostat.api.metrics import Metrics
+from thermostat.api.protocol import PromptTokensDetails, Usage
 from thermostat.engine.outputs import Completion, Prefilled, RequestDelta
 from thermostat.engine.sampler import TokenLogprobs
 from thermostat.quality import quality_report
@@ -32,11 +36,7 @@ from thermostat.sampling import (
 )
 from thermostat.sampling.fanout import Plan, plan
 from thermostat.server.async_engine import AsyncEngine, GroupInput, OutputStream
-from thermostat.server.disconnect import until_disconnected
-from thermostat.server.errors import APIError, classify
-from thermostat.server.metrics import Metrics
 from thermostat.server.prompts import Prompt
-from thermostat.server.protocol import PromptTokensDetails, Usage
 
 request_log = logging.getLogger("thermostat.requests")
 T = TypeVar("T")

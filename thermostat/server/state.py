@@ -18,15 +18,15 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Literal
 
+from thermostat.api.defaults import ServerDefaults
+from thermostat.api.metrics import Metrics
 from thermostat.disagg.handoff import model_identity
 from thermostat.engine.llm_engine import LLMEngine
 from thermostat.engine.loader import load_model
 from thermostat.server.async_engine import AsyncEngine
 from thermostat.server.config import ServerConfig
-from thermostat.server.defaults import ServerDefaults
 from thermostat.server.disaggregation import DecodeRole, PrefillRole
 from thermostat.server.logprobs import TokenText
-from thermostat.server.metrics import Metrics
 from thermostat.server.prompts import PromptBuilder
 from thermostat.server.serving import Serving
 from thermostat.server.tool_parsers import ToolParser, parser_for

@@ -23,19 +23,19 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from thermostat.sampling.structured import (
-    JSON_OPTIONS,
-    ConstraintError,
-    StructuredOutput,
-    closed,
-)
-from thermostat.server.protocol import (
+from thermostat.api.protocol import (
     ChatCompletionRequest,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
     FunctionCall,
     ToolCall,
+)
+from thermostat.sampling.structured import (
+    JSON_OPTIONS,
+    ConstraintError,
+    StructuredOutput,
+    closed,
 )
 from thermostat.server.tool_parsers import ToolParser, ToolText
 

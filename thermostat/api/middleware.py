@@ -18,8 +18,8 @@ from typing import Protocol
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from thermostat.server.errors import APIError, error_response
-from thermostat.server.metrics import Metrics
+from thermostat.api.errors import APIError, error_response
+from thermostat.api.metrics import Metrics
 
 
 class GateConfig(Protocol):

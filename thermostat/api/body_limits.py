@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from thermostat.server.errors import APIError, error_response
+from thermostat.api.errors import APIError, error_response
 
 if TYPE_CHECKING:
-    from thermostat.server.middleware import GatedState
+    from thermostat.api.middleware import GatedState
 
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest a handful of levels (messages -> content parts)
 

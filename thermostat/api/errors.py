@@ -25,9 +25,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from thermostat.api.disconnect import ClientGone
+from thermostat.api.protocol import ErrorInfo, ErrorResponse
 from thermostat.errors import InvalidRequest
-from thermostat.server.disconnect import ClientGone
-from thermostat.server.protocol import ErrorInfo, ErrorResponse
 
 log = logging.getLogger("thermostat.server")
 request_log = logging.getLogger("thermostat.requests")

@@ -15,12 +15,12 @@ from collections.abc import Callable
 from pydantic import ValidationError
 from starlette.requests import Request
 
+from thermostat.api.errors import APIError, validation_error
+from thermostat.api.protocol import ChatCompletionRequest, CompletionRequest
 from thermostat.errors import InvalidRequest
 from thermostat.sampling import SamplingParamError, SamplingParams
 from thermostat.sampling.fields import FIELDS
 from thermostat.sampling.structured import ConstraintError, StructuredOutput
-from thermostat.server.errors import APIError, validation_error
-from thermostat.server.protocol import ChatCompletionRequest, CompletionRequest
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI and vLLM allow
 MAX_N = 128  # samples per prompt

@@ -1,0 +1,16 @@
+"""The OpenAI edge: what `serve` and the gateway both speak, torch-free (tests/test_import_graph.py
+keeps torch, `engine/`, `models/` and `disagg/` out of it).
+
+| module            | one concept                                                          |
+|-------------------|----------------------------------------------------------------------|
+| protocol.py       | the request and response models of the OpenAI API (+ our extensions) |
+| request_params.py | a request body -> SamplingParams                                     |
+| errors.py         | the OpenAI error shape; exceptions -> 4xx/5xx; error handlers        |
+| middleware.py     | the API key gate and readiness/draining 503s                         |
+| body_limits.py    | size, depth and UTF-8 limits before a route parses a body            |
+| disconnect.py     | a client that leaves (499) aborts its work                           |
+| defaults.py       | the defaults report: /v1/sampling/defaults and the startup table     |
+| metrics.py        | the Prometheus metrics every OpenAI edge keeps                       |
+| arguments.py      | the flags `serve` and the gateway share                              |
+| lifecycle.py      | uvicorn with readiness and a graceful drain                          |
+"""
