@@ -121,4 +121,3 @@ def test_the_graph_sees_imports_inside_functions_and_skips_type_checking_blocks(
     assert "thermostat.engine.loader" in imports_of("thermostat.llm")  # imported in __init__
     assert "thermostat.llm" not in imports_of("thermostat")  # PEP 562 __getattr__ only
     assert len(TORCH_FREE_MODULES) > 20
-

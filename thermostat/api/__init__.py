@@ -13,4 +13,5 @@ keeps torch, `engine/`, `models/` and `disagg/` out of it).
 | metrics.py        | the Prometheus metrics every OpenAI edge keeps                       |
 | arguments.py      | the flags `serve` and the gateway share                              |
 | lifecycle.py      | uvicorn with readiness and a graceful drain                          |
+| responses.py      | rules every response follows: its quality, the SSE writer            |
 """

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from thermostat.api.responses import response_quality
 from thermostat.gateway.upstream import UpstreamError, bad_response
 
 PASSED = ("finish_reason", "stop_reason", "quality")
@@ -80,7 +81,6 @@ class Fold:
             if message.get("tool_calls") and not message.get("content"):
                 message["content"] = None  # a tool call's answer has no text
         reports = [c["quality"] for c in choices if "quality" in c]
-        flagged = [r for r in reports if r.get("degenerate")]
         out = {
             **{k: v for k, v in self.head.items() if v is not None},
             "object": "chat.completion" if self.chat else "text_completion",
@@ -95,7 +95,7 @@ class Fold:
             if {k: v for k, v in own.items() if k != "upstream"} != self.sampling:
                 choice["sampling"] = own
         if reports:
-            out["quality"] = (flagged or reports)[0]
+            out["quality"] = response_quality(reports)
         return out
 
 

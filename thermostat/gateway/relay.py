@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple
 
+from thermostat.api.responses import response_quality
 from thermostat.gateway.upstream import bad_response
 from thermostat.quality import StreamingAnalyzer, quality_report
 
@@ -65,8 +66,7 @@ def annotate(
         choice["quality"] = quality_report(choice_text(choice))
         reports.append(choice["quality"])
     data["sampling"] = _with_sampling(data, sampling)
-    flagged = [r for r in reports if r.get("degenerate")]
-    data["quality"] = (flagged or reports or [quality_report("")])[0]
+    data["quality"] = response_quality(reports)
     return reports
 
 

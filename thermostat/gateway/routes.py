@@ -12,12 +12,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from thermostat.api.disconnect import until_disconnected
-from thermostat.api.errors import APIError, classify, error_body
+from thermostat.api.errors import APIError
 from thermostat.api.protocol import ChatCompletionRequest, CompletionRequest
 from thermostat.api.request_params import read_body, to_sampling_params
+from thermostat.api.responses import sse
 from thermostat.gateway.fold import Fold
 from thermostat.gateway.forward import upstream_body
 from thermostat.gateway.relay import Sampling, StreamAnnotator, annotate
@@ -205,17 +206,11 @@ async def _stream(
                 if first and annotator.first_content:
                     state.metrics.ttft.observe(time.monotonic() - start)
                     first = False
-                yield f"data: {json.dumps(chunk)}\n\n"
+                yield json.dumps(chunk)
             for report in annotator.reports:
                 state.metrics.on_quality(report)
-        except APIError as err:  # after the 200 went out: in-band, then end the stream
-            _count(state, err)
-            yield f"data: {json.dumps(error_body(classify(err)))}\n\n"
         finally:
             await response.aclose()  # a client gone, a loop cut: the upstream stops too
             admitted.close()
-        yield "data: [DONE]\n\n"
 
-    return StreamingResponse(
-        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
+    return sse(events(), lambda err: _count(state, err))

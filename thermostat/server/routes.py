@@ -4,7 +4,6 @@ builds the prompt, submits, and returns or streams; everything else lives in the
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from importlib.metadata import version
 from typing import Any
@@ -17,7 +16,6 @@ from pydantic import BaseModel
 from thermostat.api.errors import (
     APIError,
     count_server_error,
-    error_body,
 )
 from thermostat.api.protocol import (
     ChatCompletionRequest,
@@ -26,6 +24,7 @@ from thermostat.api.protocol import (
     TokenizeRequest,
 )
 from thermostat.api.request_params import read_body, to_sampling_params
+from thermostat.api.responses import sse
 from thermostat.sampling import SamplingParams
 from thermostat.sampling.fanout import Plan
 from thermostat.server.chat import chat_chunks, chat_response
@@ -49,19 +48,11 @@ def _json(model: BaseModel) -> Response:
 
 
 def _sse(request: Request, chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
-    async def events() -> AsyncIterator[str]:
-        try:
-            async for chunk in chunks:
-                yield f"data: {chunk.model_dump_json()}\n\n"
-        except APIError as err:  # after the 200 went out: report in-band, then end the stream
-            if err.status >= 500:
-                count_server_error(request, err)
-            yield f"data: {json.dumps(error_body(err))}\n\n"
-        yield "data: [DONE]\n\n"
+    def on_error(err: APIError) -> None:
+        if err.status >= 500:
+            count_server_error(request, err)
 
-    return StreamingResponse(
-        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
+    return sse((chunk.model_dump_json() async for chunk in chunks), on_error)
 
 
 def _stream_usage(body: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:

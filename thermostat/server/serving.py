@@ -24,6 +24,7 @@ from thermostat.api.disconnect import until_disconnected
 from thermostat.api.errors import APIError, classify
 from thermostat.api.metrics import Metrics
 from thermostat.api.protocol import PromptTokensDetails, Usage
+from thermostat.api.responses import response_quality
 from thermostat.engine.outputs import Completion, Prefilled, RequestDelta
 from thermostat.engine.sampler import TokenLogprobs
 from thermostat.quality import quality_report
@@ -129,9 +130,7 @@ class Job:
 
     def response_quality(self) -> dict[str, Any]:
         """The response's `quality`: the first degenerate choice's report, else choice 0's."""
-        reports = [self.quality[i] for i in sorted(self.quality)]
-        flagged = [r for r in reports if r.get("degenerate")]
-        return (flagged or reports or [quality_report("")])[0]
+        return response_quality([self.quality[i] for i in sorted(self.quality)])
 
     async def events(self) -> AsyncIterator[tuple[int, RequestDelta]]:
         """Deltas as they come, each already added to its choice; on any exit the unfinished
