@@ -12,6 +12,7 @@ keeps torch, `engine/`, `models/` and `disagg/` out of it).
 | defaults.py       | the defaults report: /v1/sampling/defaults and the startup table     |
 | metrics.py        | the Prometheus metrics every OpenAI edge keeps                       |
 | arguments.py      | the flags `serve` and the gateway share                              |
+| config.py         | the settings every edge has (EdgeConfig) and their flags             |
 | lifecycle.py      | uvicorn with readiness and a graceful drain                          |
 | responses.py      | rules every response follows: its quality, the SSE writer            |
 """

@@ -8,9 +8,11 @@ gateway runs where torch is not installed.
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
 import socket
+import sys
 from collections.abc import Callable
 from types import FrameType
 from typing import Protocol
@@ -23,6 +25,7 @@ class Lifecycle(Protocol):
     """What an app's state (`app.state.thermostat`) offers the server."""
 
     on_fatal: Callable[[], None]
+    status: str  # "failed": the process exits 1
 
     def mark_listening(self, address: str) -> None: ...
     def begin_draining(self) -> None: ...
@@ -76,3 +79,15 @@ class DrainingServer(uvicorn.Server):
         self.lifecycle.begin_draining()  # new requests get 503 from here on
         await self.lifecycle.drain()  # still listening: new connections get the 503 too
         await super().shutdown(sockets)
+
+
+def serve_until_stopped(server: DrainingServer) -> int:
+    """Log to stderr and serve until SIGTERM/SIGINT; the exit code is 1 if the app failed (a
+    model that did not load, defaults that cannot apply), else 0."""
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    server.run()
+    return 1 if server.lifecycle.status == "failed" else 0

@@ -4,7 +4,6 @@ OpenAI-compatible upstream. Torch is never imported on this path."""
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
@@ -14,13 +13,13 @@ from thermostat.api.arguments import (
     add_operations_arguments,
     add_policy_arguments,
     add_stop_on_loop_argument,
-    policy_from,
 )
+from thermostat.api.config import edge_options
+from thermostat.api.lifecycle import serve_until_stopped
 from thermostat.gateway.app import create_gateway_app
 from thermostat.gateway.config import GatewayConfig
 from thermostat.gateway.kinds import KINDS
 from thermostat.gateway.launch import GatewayServer
-from thermostat.sampling.spec import parse_sampling_spec
 
 HELP = "serve Thermostat's sampling policy in front of vLLM, SGLang, llama.cpp or any OpenAI API"
 EPILOG = """examples:
@@ -71,15 +70,8 @@ def config_from(args: argparse.Namespace) -> GatewayConfig:
         upstream_api_key=args.upstream_api_key,
         upstream_timeout_s=args.upstream_timeout,
         generation_config=args.generation_config or args.model,
-        host=args.host,
-        port=args.port,
-        sampling_defaults=parse_sampling_spec(args.sampling_defaults),
-        policy=policy_from(args),
         stop_on_loop=args.stop_on_loop,
-        api_key=args.api_key,
-        max_queue=args.max_queue,
-        drain_timeout_s=args.drain_timeout,
-        max_body_bytes=int(args.max_body_mb * 2**20),
+        **edge_options(args),
     )
 
 
@@ -89,11 +81,4 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"thermostat gateway: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    server = GatewayServer(create_gateway_app(config), config)
-    server.run()
-    return 1 if server.state.status == "failed" else 0
+    return serve_until_stopped(GatewayServer(create_gateway_app(config), config))

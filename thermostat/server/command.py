@@ -7,7 +7,6 @@ family without one) are reported on stderr with exit status 2 before anything lo
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from thermostat.api.arguments import (
@@ -15,10 +14,10 @@ from thermostat.api.arguments import (
     add_operations_arguments,
     add_policy_arguments,
     add_stop_on_loop_argument,
-    policy_from,
 )
+from thermostat.api.config import edge_options
+from thermostat.api.lifecycle import serve_until_stopped
 from thermostat.engine.config import EngineConfig
-from thermostat.sampling.spec import parse_sampling_spec
 from thermostat.server.config import ServerConfig
 from thermostat.server.tool_parsers import PARSERS
 
@@ -114,15 +113,8 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
     )
     return ServerConfig(
         engine=engine,
-        host=args.host,
-        port=args.port,
         served_model_name=args.served_model_name,
-        sampling_defaults=parse_sampling_spec(args.sampling_defaults),
-        policy=policy_from(args),
-        max_queue=args.max_queue,
-        api_key=args.api_key,
-        drain_timeout_s=args.drain_timeout,
-        max_body_bytes=int(args.max_body_mb * 2**20),
+        **edge_options(args),
         disaggregation_mode=args.disaggregation_mode,
         bootstrap_port=args.disaggregation_bootstrap_port,
         disaggregation_timeout_s=args.disaggregation_timeout,
@@ -140,11 +132,4 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # ModelLoadError is one
         print(f"thermostat serve: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    server = ThermostatServer(app, config)
-    server.run()
-    return 1 if server.state.status == "failed" else 0
+    return serve_until_stopped(ThermostatServer(app, config))

@@ -7,7 +7,6 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from thermostat.api.lifecycle import DrainingServer
-from thermostat.server.app import create_app
 from thermostat.server.config import ServerConfig
 from thermostat.server.state import ServerState
 
@@ -18,11 +17,3 @@ class ThermostatServer(DrainingServer):
     def __init__(self, app: FastAPI, config: ServerConfig, log_level: str = "info") -> None:
         super().__init__(app, config, log_level)
         self.state: ServerState = app.state.thermostat
-
-
-def serve(config: ServerConfig) -> int:
-    """Serve until SIGTERM/SIGINT; the exit code is 1 if the model failed to load."""
-    app = create_app(config)
-    server = ThermostatServer(app, config)
-    server.run()
-    return 1 if server.state.status == "failed" else 0
