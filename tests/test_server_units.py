@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tests.conftest import write_model
-from thermostat.api.defaults import ServerDefaults
+from thermostat.api.defaults import DefaultsReport
 from thermostat.cli import main
 from thermostat.sampling import Policy
 from thermostat.sampling.spec import SpecError, parse_sampling_spec
@@ -68,7 +68,7 @@ def test_defaults_warn_about_greedy_and_do_sample(tmp_path):
     path = model_files(
         tmp_path / "m", {"model_type": "mistral"}, {"temperature": 0.0, "do_sample": False}
     )
-    report = ServerDefaults.for_model(path, "m", None, Policy())
+    report = DefaultsReport.for_model(path, "m", None, Policy())
     warnings = report.warnings()
     assert any("greedy decoding" in w and "generation_config" in w for w in warnings)
     [do_sample] = [w for w in warnings if "do_sample" in w]
@@ -80,18 +80,18 @@ def test_defaults_warn_about_greedy_and_do_sample(tmp_path):
 
 def test_defaults_warn_about_generic_values_only_without_opt_in(tmp_path):
     path = model_files(tmp_path / "d", {"model_type": "deepseek_v3"}, None)
-    generic = ServerDefaults.for_model(path, "d", None, Policy()).warnings()
+    generic = DefaultsReport.for_model(path, "d", None, Policy()).warnings()
     assert any("generic" in w and "deepseek" in w and "none set" in w for w in generic)
-    opted = ServerDefaults.for_model(path, "d", "recommended", Policy())
+    opted = DefaultsReport.for_model(path, "d", "recommended", Policy())
     assert not opted.warnings()
     assert opted.baseline().effective.temperature == 0.6
-    operator = ServerDefaults.for_model(path, "d", {"temperature": 0.5}, Policy())
+    operator = DefaultsReport.for_model(path, "d", {"temperature": 0.5}, Policy())
     assert not any("generic" in w for w in operator.warnings())
 
 
 def test_defaults_report_ignored_file_values_and_min_temperature(tmp_path):
     path = model_files(tmp_path / "q", {"model_type": "qwen2"}, {"temperature": 0.0, "top_p": 7})
-    report = ServerDefaults.for_model(path, "q", None, Policy(min_temperature=0.2))
+    report = DefaultsReport.for_model(path, "q", None, Policy(min_temperature=0.2))
     body = report.to_dict()
     assert body["effective"]["temperature"] == 0.2
     assert body["adjusted"][0]["policy"] == "min_temperature"

@@ -30,9 +30,9 @@ GENERIC = {"temperature": 1.0, "top_p": 1.0}  # transformers' defaults, chosen b
 
 
 @dataclass(frozen=True)
-class ServerDefaults:
+class DefaultsReport:
     model: str  # the served model name
-    defaults: SamplingDefaults
+    layers: SamplingDefaults  # what resolves requests
     generation_config: GenerationConfigDefaults
     recommendation: Recommendation | None  # the family's, whether or not the operator opted in
 
@@ -43,7 +43,7 @@ class ServerDefaults:
         served_name: str,
         operator: dict[str, Any] | str | None,
         policy: Policy,
-    ) -> ServerDefaults:
+    ) -> DefaultsReport:
         """Raises ValueError for an invalid layer or a `recommended` without a known family."""
         config_dict = json.loads((model_dir / "config.json").read_text())
         gen = read_generation_config(model_dir)
@@ -52,7 +52,7 @@ class ServerDefaults:
 
     def baseline(self) -> Resolution:
         """The resolution of a request that sends no sampling field."""
-        return resolve(SamplingParams(), self.defaults)
+        return resolve(SamplingParams(), self.layers)
 
     def warnings(self) -> list[str]:
         """What an operator should know about these defaults, worst first."""
@@ -68,7 +68,7 @@ class ServerDefaults:
         rec = self.recommendation
         from_file = source["temperature"] in ("generation_config", "builtin")
         generic = all(gen.get(k, v) == v for k, v in GENERIC.items())
-        if rec is not None and self.defaults.recommended is None and from_file and generic:
+        if rec is not None and self.layers.recommended is None and from_file and generic:
             have = ", ".join(f"{k} {gen[k]}" for k in GENERIC if k in gen) or "none set"
             want = ", ".join(f"{k}={v}" for k, v in rec.values.items())
             found.append(
@@ -90,7 +90,7 @@ class ServerDefaults:
         """The body of GET /v1/sampling/defaults."""
         base = self.baseline()
         sampling = base.to_dict()
-        policy = self.defaults.policy
+        policy = self.layers.policy
         gen = self.generation_config
         rec = self.recommendation
         return {
@@ -99,7 +99,7 @@ class ServerDefaults:
             "source": sampling["source"],
             "adjusted": sampling["adjusted"],
             "policy": {"min_temperature": policy.min_temperature, "greedy": policy.greedy},
-            "operator": dict(self.defaults.operator),
+            "operator": dict(self.layers.operator),
             "generation_config": {
                 "path": str(gen.path) if gen.path else None,
                 "values": dict(gen.values),
@@ -112,7 +112,7 @@ class ServerDefaults:
                 "family": rec.family,
                 "values": dict(rec.values),
                 "source": rec.source,
-                "applied": self.defaults.recommended is not None,
+                "applied": self.layers.recommended is not None,
             },
             "warnings": self.warnings(),
         }
@@ -136,7 +136,7 @@ class ServerDefaults:
         cap = base.effective.max_tokens
         room = "the room the prompt leaves in the context"
         table.add_row("max_tokens", room if cap is None else str(cap), base.source["max_tokens"])
-        policy = self.defaults.policy
+        policy = self.layers.policy
         table.caption = (
             f"policy: min_temperature={policy.min_temperature}, greedy={policy.greedy}"
             + "".join(f"; adjusted {a.param} {a.requested}->{a.applied}" for a in base.adjusted)

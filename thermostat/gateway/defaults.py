@@ -31,7 +31,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from thermostat.api.defaults import ServerDefaults
+from thermostat.api.defaults import DefaultsReport
 from thermostat.gateway.discovery import UpstreamInfo
 from thermostat.gateway.kinds import KINDS, UpstreamKind
 from thermostat.sampling import (
@@ -105,7 +105,7 @@ class Resolved:
 @dataclass(frozen=True)
 class GatewayDefaults:
     info: UpstreamInfo
-    server: ServerDefaults  # the layers and the report, as `serve` makes them
+    report: DefaultsReport  # the layers and the report, as `serve` makes them
     kind: UpstreamKind
 
     @classmethod
@@ -125,8 +125,8 @@ class GatewayDefaults:
             policy=policy,
             upstream=dict(info.reported),
         )
-        server = ServerDefaults(info.model, layered, gen, recommendation_for(info.model_config))
-        return cls(info, server, KINDS[info.kind])
+        report = DefaultsReport(info.model, layered, gen, recommendation_for(info.model_config))
+        return cls(info, report, KINDS[info.kind])
 
     @property
     def known(self) -> bool:
@@ -136,7 +136,7 @@ class GatewayDefaults:
     def resolve(self, params: SamplingParams) -> Resolved:
         """Resolve as `serve` does, then leave unknown fields to the upstream and drop what
         the kind cannot take (400 if the client sent it, else an adjustment)."""
-        resolution = resolve(params, self.server.defaults)
+        resolution = resolve(params, self.report.layers)
         unknown = {n for n, s in resolution.source.items() if s == "builtin" and not self.known}
         if resolution.source["max_tokens"] == "context_length":
             unknown.add("max_tokens")  # neither the client nor the operator: the upstream's
@@ -171,7 +171,7 @@ class GatewayDefaults:
         return self.resolve(SamplingParams())
 
     def warnings(self) -> list[str]:
-        found = self.server.warnings()
+        found = self.report.warnings()
         base = self.baseline()
         layered = base.unknown - {"max_tokens"}
         if layered:
@@ -182,7 +182,7 @@ class GatewayDefaults:
                 "omit them get what the upstream decides (source 'upstream'); give "
                 "--generation-config PATH or --model DIR, or set them with --sampling-defaults",
             )
-            policy = self.server.defaults.policy
+            policy = self.report.layers.policy
             if "temperature" in layered and policy.min_temperature is not None:
                 found.append(
                     "--min-temperature applies to temperatures the gateway resolves; one "
@@ -192,7 +192,7 @@ class GatewayDefaults:
 
     def to_dict(self) -> dict[str, Any]:
         """The body of GET /v1/sampling/defaults (serve's, plus `upstream`)."""
-        out = self.server.to_dict()
+        out = self.report.to_dict()
         sampling = self.baseline().to_dict()
         out.update(
             effective=sampling["effective"], source=sampling["source"],
@@ -228,7 +228,7 @@ class GatewayDefaults:
             ctx = self.info.context_len
             limit = f" (its context: {ctx})" if ctx else ""
             table.add_row("max_tokens", "unknown", "upstream", f"no (the upstream's limit{limit})")
-        policy = self.server.defaults.policy
+        policy = self.report.layers.policy
         table.caption = f"policy: min_temperature={policy.min_temperature}, greedy={policy.greedy}"
         console = Console(file=io.StringIO(), width=110, color_system=None)
         console.print(table)

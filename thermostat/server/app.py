@@ -7,7 +7,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from thermostat.api.body_limits import BodyLimitsMiddleware
-from thermostat.api.defaults import ServerDefaults
+from thermostat.api.defaults import DefaultsReport
 from thermostat.api.errors import install_error_handlers
 from thermostat.api.middleware import GateMiddleware
 from thermostat.engine.loader import DEMO_MODEL_DIR, ModelLoadError, resolve_model_path
@@ -31,7 +31,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     apply to this model) before anything is loaded. The model loads when the app starts."""
     model_dir = locate_model(config.engine.model)
     name = config.served_model_name or ("demo" if config.engine.model == "demo" else model_dir.name)
-    defaults = ServerDefaults.for_model(model_dir, name, config.sampling_defaults, config.policy)
+    defaults = DefaultsReport.for_model(model_dir, name, config.sampling_defaults, config.policy)
     state = ServerState(config, model_dir, defaults)
     app = FastAPI(title="Thermostat", lifespan=state.lifespan)
     app.state.thermostat = state

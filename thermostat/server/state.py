@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from thermostat.api.defaults import ServerDefaults
+from thermostat.api.defaults import DefaultsReport
 from thermostat.api.metrics import Metrics
 from thermostat.disagg.handoff import model_identity
 from thermostat.engine.llm_engine import LLMEngine
@@ -40,7 +40,7 @@ Status = Literal["loading", "ready", "draining", "failed"]
 class ServerState:
     """The app's lifecycle status and, once loaded, the engine and what serves requests."""
 
-    def __init__(self, config: ServerConfig, model_dir: Path, defaults: ServerDefaults) -> None:
+    def __init__(self, config: ServerConfig, model_dir: Path, defaults: DefaultsReport) -> None:
         self.config = config
         self.model_dir = model_dir
         self.defaults = defaults
@@ -79,7 +79,7 @@ class ServerState:
             log.warning("sampling: %s", warning)
 
     async def _load(self) -> None:
-        cfg, model_dir, defaults = self.config.engine, self.model_dir, self.defaults.defaults
+        cfg, model_dir, defaults = self.config.engine, self.model_dir, self.defaults.layers
         log.info("loading %s", model_dir)
 
         def build() -> LLMEngine:  # runs on the engine thread (see AsyncEngine)
@@ -110,7 +110,7 @@ class ServerState:
         self.serving = Serving(
             self.defaults.model,
             self.engine,
-            self.defaults.defaults,
+            self.defaults.layers,
             self.metrics,
             self.config.max_queue,
             self.config.retry_after_s,
