@@ -20,7 +20,7 @@ from prometheus_client import (
 from thermostat.sampling import Resolution
 
 if TYPE_CHECKING:  # the gateway uses these metrics without the engine (and torch)
-    from thermostat.server.async_engine import EngineStats
+    from thermostat.server.engine_io import EngineStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

@@ -38,86 +38,11 @@ from typing import Any, TypeVar
 
 from thermostat.api.errors import EngineError
 from thermostat.engine.llm_engine import LLMEngine
-from thermostat.engine.outputs import Prefilled, QueuedRequest, RequestDelta
-from thermostat.sampling.fanout import Plan
+from thermostat.engine.outputs import RequestDelta
+from thermostat.server.engine_io import EngineStats, GroupInput, OutputStream
 
 log = logging.getLogger("thermostat.server")
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class GroupInput:
-    """One response's requests: a plan's choices, each an engine request (LLMEngine.add_group)."""
-
-    group_id: str
-    plan: Plan
-    handoff: bool = False  # prefill role: compute, sample the first token, hand over
-    preloads: list[Prefilled] | None = None  # decode role: a prefill's handoff per choice
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """The engine right after a step or a batch of commands (counts are requests / blocks)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    kv_cache_usage: float = 0.0  # fraction of blocks held by requests
-    prefix_cache_queries: int = 0  # in blocks, since start
-    prefix_cache_hits: int = 0
-
-
-class OutputStream:
-    """The deltas of a group of engine requests (one response's choices), in arrival order.
-
-    Iterating yields `(index, RequestDelta)` until every request of the group has finished;
-    it raises EngineError if the engine failed. `abort()` stops the unfinished ones."""
-
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.queued: list[QueuedRequest] = []  # set when the engine accepts the group
-        self._index: dict[str, int] = {}
-        self._queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
-        self._unfinished: set[str] = set()
-        self._engine = engine
-
-    def _bind(self, queued: list[QueuedRequest]) -> None:
-        self.queued = queued
-        self._index = {q.req_id: q.index for q in queued}
-        self._unfinished = set(self._index)
-
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
-
-    def __aiter__(self) -> OutputStream:
-        return self
-
-    async def __anext__(self) -> tuple[int, RequestDelta]:
-        if not self._unfinished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self._close()
-            raise item
-        if item.finished:
-            self._unfinished.discard(item.req_id)
-            if not self._unfinished:
-                self._close()
-        return self._index[item.req_id], item
-
-    def abort(self) -> None:
-        """Abort the requests that have not finished (idempotent); their KV blocks are freed."""
-        if self._unfinished:
-            self._engine.abort(sorted(self._unfinished))
-            self._close()
-
-    def _close(self) -> None:
-        self._unfinished.clear()
-        self._engine._active.discard(self)
-
-    def _put(self, item: RequestDelta | BaseException) -> None:
-        self._queue.put_nowait(item)
 
 
 @dataclass
@@ -195,7 +120,7 @@ class AsyncEngine:
         `queued` lists the requests with the sampling each runs with."""
         if self._thread is None or not self._thread.is_alive():
             raise EngineError("the engine is not running")
-        stream = OutputStream(self)
+        stream = OutputStream(self.abort, self._active.discard)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending_adds += 1
         self._commands.put(_Add(group, stream, done))
@@ -235,7 +160,7 @@ class AsyncEngine:
         self._commands.put(_Stop())
         await asyncio.to_thread(self._thread.join, 30.0)
         for stream in list(self._active):
-            stream._put(EngineError("the server is shutting down"))
+            stream.put(EngineError("the server is shutting down"))
         self._thread = None
 
     def _publish(
@@ -252,12 +177,12 @@ class AsyncEngine:
             if isinstance(result, BaseException):
                 command.done.set_exception(result)
             elif isinstance(command, _Add):
-                command.stream._bind(result)
+                command.stream.bind(result)
                 command.done.set_result(None)
             else:
                 command.done.set_result(result)
         for stream, item in items:
-            stream._put(item)
+            stream.put(item)
 
     # ---- engine-thread side ----
 

@@ -36,7 +36,8 @@ from thermostat.sampling import (
     resolve,
 )
 from thermostat.sampling.fanout import Plan, plan
-from thermostat.server.async_engine import AsyncEngine, GroupInput, OutputStream
+from thermostat.server.async_engine import AsyncEngine
+from thermostat.server.engine_io import GroupInput, OutputStream
 from thermostat.server.prompts import Prompt
 
 request_log = logging.getLogger("thermostat.requests")

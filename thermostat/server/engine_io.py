@@ -1,0 +1,88 @@
+"""What crosses between the event loop and the engine thread (server/async_engine.py): a group
+of engine requests going in, the engine's counters and each group's deltas coming out."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from thermostat.engine.outputs import Prefilled, QueuedRequest, RequestDelta
+from thermostat.sampling.fanout import Plan
+
+
+@dataclass(frozen=True)
+class GroupInput:
+    """One response's requests: a plan's choices, each an engine request (LLMEngine.add_group)."""
+
+    group_id: str
+    plan: Plan
+    handoff: bool = False  # prefill role: compute, sample the first token, hand over
+    preloads: list[Prefilled] | None = None  # decode role: a prefill's handoff per choice
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine right after a step or a batch of commands (counts are requests / blocks)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks held by requests
+    prefix_cache_queries: int = 0  # in blocks, since start
+    prefix_cache_hits: int = 0
+
+
+class OutputStream:
+    """The deltas of a group of engine requests (one response's choices), in arrival order.
+
+    Iterating yields `(index, RequestDelta)` until every request of the group has finished;
+    it raises EngineError if the engine failed. `abort()` stops the unfinished ones."""
+
+    def __init__(
+        self, abort: Callable[[list[str]], None], on_close: Callable[[OutputStream], None]
+    ) -> None:
+        self.queued: list[QueuedRequest] = []  # set when the engine accepts the group
+        self._index: dict[str, int] = {}
+        self._queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+        self._unfinished: set[str] = set()
+        self._abort, self._on_close = abort, on_close
+
+    def bind(self, queued: list[QueuedRequest]) -> None:
+        self.queued = queued
+        self._index = {q.req_id: q.index for q in queued}
+        self._unfinished = set(self._index)
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestDelta]:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._close()
+            raise item
+        if item.finished:
+            self._unfinished.discard(item.req_id)
+            if not self._unfinished:
+                self._close()
+        return self._index[item.req_id], item
+
+    def abort(self) -> None:
+        """Abort the requests that have not finished (idempotent); their KV blocks are freed."""
+        if self._unfinished:
+            self._abort(sorted(self._unfinished))
+            self._close()
+
+    def _close(self) -> None:
+        self._unfinished.clear()
+        self._on_close(self)
+
+    def put(self, item: RequestDelta | BaseException) -> None:
+        self._queue.put_nowait(item)
