@@ -201,6 +201,28 @@ def test_forced_call_grammar_only_admits_calls_the_parser_reads(name, markers):
                         assert set(args) == {"city", "unit"} and args["unit"] in "CF"
 
 
+def test_the_constraint_hash_is_of_the_call_schema_whatever_the_format():
+    """serve's hash (any parser, markers as tokens or text) is the gateway's."""
+    from thermostat.gateway.tools import tool_constraint
+    from thermostat.server.protocol import ChatCompletionRequest
+    from thermostat.server.tools import ToolRequest
+
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        body = ChatCompletionRequest.model_validate(
+            {"messages": ASK, "tools": TOOLS, "tool_choice": choice}
+        )
+        digests = set()
+        for name, parser in PARSERS.items():
+            for markers in ("plain", "added"):
+                tokens = marker_tokens(tool_tokenizer(name, markers).added_tokens_decoder)
+                request = ToolRequest.of(body, parser(tokens))
+                spec = request.constraint() if request is not None else None
+                assert spec is not None
+                digests.add(spec.digest)
+        gateway = tool_constraint(body)
+        assert gateway is not None and digests == {gateway.digest}
+
+
 # ---- the server ----
 
 

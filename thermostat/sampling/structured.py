@@ -25,7 +25,8 @@ default `strict_mode` (vLLM's, SGLang's) does. Clients send tools without it (La
 one; the closed outputs are a subset of the schema's, so they still validate.
 
 The response's `sampling.constraint` is `to_dict()`: the kind, the field it came from and the
-first 12 hex digits of the SHA-256 of its source (the schema as canonical JSON, or the text).
+first 12 hex digits of the SHA-256 of its source (the schema as canonical JSON, or the text; a
+forced tool call's: its call object's schema, server/tools.py).
 """
 
 from __future__ import annotations
