@@ -221,6 +221,11 @@ def test_the_constraint_hash_is_of_the_call_schema_whatever_the_format():
                 digests.add(spec.digest)
         gateway = tool_constraint(body)
         assert gateway is not None and digests == {gateway.digest}
+    odd = {"type": "function", "function": {"name": 'a"\ud800\n'}}  # json.loads lets it in
+    body = ChatCompletionRequest.model_validate(
+        {"messages": ASK, "tools": [odd], "tool_choice": "required"}
+    )
+    assert tool_constraint(body) is not None  # a grammar and a hash, no 500
 
 
 # ---- the server ----

@@ -156,5 +156,5 @@ class StructuredOutput:
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
         if is_error:
             raise ConstraintError(param, f"{param}: {messages[0] if messages else 'invalid'}")
-        digest = hashlib.sha256(source.encode()).hexdigest()[:12]
+        digest = hashlib.sha256(source.encode(errors="surrogatepass")).hexdigest()[:12]
         return cls(kind, param, grammar, digest)
