@@ -340,7 +340,8 @@ def test_constraints_passed_through_are_reported(upstream):
     assert {r["source"] for r in reported} == {"tool_choice"}
     assert reported[0]["hash"] == reported[1]["hash"]  # one tool: required is that tool
     assert len(reported[0]["hash"]) == 12
-    assert calls[0].model_extra["sampling"]["upstream"]["constraint"]["kind"] == "tool_call"
+    upstream_constraint = calls[0].model_extra["sampling"]["upstream"]["constraint"]
+    assert upstream_constraint == reported[0]  # serve's own report: one hash, any format
     assert "constraint" not in free.model_extra["sampling"]  # tool_choice auto: no constraint
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice"
 

@@ -1,7 +1,8 @@
 """LangChain against Thermostat, unmodified (issue 13): `ChatOpenAI(...).bind_tools(...)` with
 pydantic and `@tool` tools, whole and streamed, `with_structured_output(...)` by each method
 langchain-openai offers, and an agent round trip (a tool call, a ToolMessage, a second turn) on
-tiny random Qwen3 and Llama models and the demo model. A tiny random model calls tools only when
+tiny random Qwen3, Llama and Mistral models (their tokenizers' tool-call markers shaped as the
+real ones) and the demo model. A tiny random model calls tools only when
 the grammar forces it (`tool_choice` a name or "required"), so every test forces the call.
 
 No network: LangSmith tracing is off, nothing counts tokens (tiktoken would download its
@@ -23,8 +24,8 @@ from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, Too
 from langchain_core.tools import tool  # noqa: E402
 from langchain_openai import ChatOpenAI  # noqa: E402
 
-from tests.conftest import write_model  # noqa: E402
 from tests.server_utils import running_server  # noqa: E402
+from tests.tool_models import write_tool_model  # noqa: E402
 
 # langchain-openai's model_dump of the openai client's ParsedChatCompletion (the client's own
 # types, nothing Thermostat sends): langchain-ai/langchain#35538
@@ -83,13 +84,11 @@ class Pet(BaseModel):
 ASK = "What is the weather in Paris?"
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama", "demo"])
+@pytest.fixture(scope="module", params=["qwen3", "llama", "mistral", "demo"])
 def server(request, tmp_path_factory):
-    if request.param == "demo":
-        model_dir = "demo"
-    else:
-        model_dir = write_model(tmp_path_factory.mktemp(request.param), request.param)
-    with running_server(model_dir) as s:
+    """Real-shaped markers (tests/tool_models.py): Qwen's added, Llama's and Mistral's
+    special, the demo's plain text."""
+    with running_server(write_tool_model(tmp_path_factory.mktemp("m"), request.param)) as s:
         yield s
 
 

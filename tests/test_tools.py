@@ -1,6 +1,7 @@
 """Tool calling: the parsers (whole and streamed), the forced-call grammar, and the server's
 tools / tool_choice / parallel_tool_calls through the official openai client, on tiny random
-Qwen3 and Llama models and the demo model, including a multi-turn tool loop."""
+Qwen3, Llama and Mistral models (real-shaped markers: tests/tool_models.py) and the demo model,
+including a multi-turn tool loop and a call cut by max_tokens, streamed and whole."""
 
 from __future__ import annotations
 
@@ -10,11 +11,10 @@ import random
 import httpx
 import pytest
 
-from tests.conftest import write_model
 from tests.server_utils import running_server
+from tests.tool_models import tool_tokenizer, write_tool_model
 from thermostat.engine.constraint import ConstraintCompiler, allowed_ids
-from thermostat.random_model import build_tokenizer
-from thermostat.server.tool_parsers import PARSERS, parser_for
+from thermostat.server.tool_parsers import PARSERS, marker_tokens, parser_for
 from thermostat.server.tools import ToolStream
 
 WEATHER = {
@@ -80,8 +80,9 @@ def test_parsers_read_whole_outputs_and_streams_join_to_the_same(name):
         i = 0
         while i < len(text):
             step = rng.randint(1, 6)
-            delta = stream.feed(text[i : i + step])
+            delta = stream.feed(text[i : i + step], finished=i + step >= len(text))
             i += step
+            assert stream.read == parser.read(text[:i])  # resumed, read the same
             if delta is None:
                 continue
             content += delta.content or ""
@@ -89,10 +90,41 @@ def test_parsers_read_whole_outputs_and_streams_join_to_the_same(name):
                 if piece.id is not None:
                     calls[piece.index] = [piece.function.name, ""]
                 calls[piece.index][1] += piece.function.arguments or ""
-        assert content.rstrip() == read.content
+        assert content == read.content
         assert [tuple(calls[i]) for i in sorted(calls)] == [
             (c.name, c.arguments) for c in read.calls
         ]
+        assert stream.read.settled == 2 and stream.read.resume == len(text.rstrip("]"))
+
+
+def test_a_stream_resumes_past_closed_calls_and_sends_text_no_call_took():
+    """The stream reads each token's text from its last closed call on (the format's start is
+    not looked for again); a text whose call never got a name is sent whole at the end, as
+    the whole answer gives it."""
+    from thermostat.server.tools import answer
+
+    parser = PARSERS["hermes"]()
+    starts = 0
+    start = parser.start
+
+    def counted(text):
+        nonlocal starts
+        starts += 1
+        return start(text)
+
+    parser.start = counted  # type: ignore[method-assign]
+    stream = ToolStream(parser)
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+    for piece in ["Hi ", call[:5], call[5:]] + list(call * 20):
+        stream.feed(piece)
+    assert starts == 3 and stream.read.settled == 21 and len(stream.read.named) == 21
+    for text in ("Hi there\n", 'Hi <tool_call>\n{"na', "Hi [TOOL_CALLS]"):
+        stream, sent = ToolStream(PARSERS["hermes"]()), ""
+        for k, ch in enumerate(text):
+            delta = stream.feed(ch, finished=k == len(text) - 1)
+            sent += (delta.content or "") if delta else ""
+            assert not (delta and delta.tool_calls)
+        assert sent == text == answer(text, stream.read).content
 
 
 def test_plain_text_is_content_and_not_a_call():
@@ -111,15 +143,21 @@ def test_parser_by_family_and_override():
     assert parser_for({"model_type": "llama"}, "mistral").name == "mistral"
 
 
+@pytest.mark.parametrize("markers", ["plain", "added", "special"])
 @pytest.mark.parametrize("name", sorted(PARSERS))
-def test_forced_call_grammar_only_admits_calls_the_parser_reads(name):
+def test_forced_call_grammar_only_admits_calls_the_parser_reads(name, markers):
     """Random walks through each parser's required-call grammar always parse into valid calls
-    of the given tools, with arguments that match their schemas."""
+    of the given tools, with arguments that match their schemas, whether the tokenizer holds
+    the format's markers as text, added tokens (Qwen's) or special tokens (Mistral's): the
+    grammar writes the call's envelope, a marker token as that token (fault (a) of issue 18:
+    an added `<tool_call>` dead-ended the call)."""
     from thermostat.api.protocol import ChatCompletionRequest
     from thermostat.server.tools import ToolRequest
 
-    parser = PARSERS[name]()
-    compiler = ConstraintCompiler(build_tokenizer(), 320, (0,))
+    tokenizer = tool_tokenizer(name, markers)
+    parser = PARSERS[name](marker_tokens(tokenizer.added_tokens_decoder))
+    assert parser.keeps_special == (markers == "special" and name != "llama3_json")
+    compiler = ConstraintCompiler(tokenizer, 320, (0,))
     rng = random.Random(1)
     for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
         for parallel in (True, False):
@@ -142,9 +180,16 @@ def test_forced_call_grammar_only_admits_calls_the_parser_reads(name):
                     token = rng.choice(allowed_ids(constraint.mask(), 320))
                     assert constraint.advance(token)
                     ids.append(token)
-                text = compiler.tokenizer.decode([t for t in ids if t != 0])
+                skip = not parser.keeps_special
+                text = tokenizer.decode([t for t in ids if t != 0], skip_special_tokens=skip)
                 read = parser.read(text)
                 assert read.valid, text
+                for marker, token in parser.tokens.items():  # written as the token, not text
+                    assert token.id in ids and marker not in tokenizer.decode(
+                        [t for t in ids if t != token.id], skip_special_tokens=False
+                    )
+                envelope = f'{{"name": "get_time", "{parser.args_key}": '
+                assert choice == "required" or envelope in text  # fixed text: fault (b)
                 if not parallel:
                     assert len(read.calls) == 1
                 for call in read.calls:
@@ -156,16 +201,41 @@ def test_forced_call_grammar_only_admits_calls_the_parser_reads(name):
                         assert set(args) == {"city", "unit"} and args["unit"] in "CF"
 
 
+def test_the_constraint_hash_is_of_the_call_schema_whatever_the_format():
+    """serve's hash (any parser, markers as tokens or text) is the gateway's."""
+    from thermostat.api.protocol import ChatCompletionRequest
+    from thermostat.gateway.tools import tool_constraint
+    from thermostat.server.tools import ToolRequest
+
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        body = ChatCompletionRequest.model_validate(
+            {"messages": ASK, "tools": TOOLS, "tool_choice": choice}
+        )
+        digests = set()
+        for name, parser in PARSERS.items():
+            for markers in ("plain", "added"):
+                tokens = marker_tokens(tool_tokenizer(name, markers).added_tokens_decoder)
+                request = ToolRequest.of(body, parser(tokens))
+                spec = request.constraint() if request is not None else None
+                assert spec is not None
+                digests.add(spec.digest)
+        gateway = tool_constraint(body)
+        assert gateway is not None and digests == {gateway.digest}
+    odd = {"type": "function", "function": {"name": 'a"\ud800\n'}}  # json.loads lets it in
+    body = ChatCompletionRequest.model_validate(
+        {"messages": ASK, "tools": [odd], "tool_choice": "required"}
+    )
+    assert tool_constraint(body) is not None  # a grammar and a hash, no 500
+
+
 # ---- the server ----
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama", "demo"])
+@pytest.fixture(scope="module", params=["qwen3", "llama", "mistral", "demo"])
 def server(request, tmp_path_factory):
-    if request.param == "demo":
-        model_dir = "demo"
-    else:
-        model_dir = write_model(tmp_path_factory.mktemp(request.param), request.param)
-    with running_server(model_dir) as s:
+    """Real-shaped markers (tests/tool_models.py): Qwen's added, Llama's and Mistral's
+    special, the demo's plain text."""
+    with running_server(write_tool_model(tmp_path_factory.mktemp("m"), request.param)) as s:
         yield s
 
 
@@ -223,6 +293,41 @@ def test_required_and_named_tool_choice_streaming_and_not(server):
     assert finish == "tool_calls" and pieces > 2  # the arguments came in pieces
     ((name, arguments),) = calls.values()
     assert name == "get_weather" and json.loads(arguments)["unit"] in ("C", "F")
+
+
+def _streamed(client, **kwargs) -> tuple[str | None, str, list[tuple[str, str]]]:
+    """A streamed chat's finish_reason, content and calls (name, arguments), joined."""
+    finish, content, calls = None, "", {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            content += c.delta.content or ""
+            for piece in c.delta.tool_calls or []:
+                if piece.id is not None:
+                    calls[piece.index] = [piece.function.name, ""]
+                calls[piece.index][1] += piece.function.arguments or ""
+    return finish, content, [tuple(calls[i]) for i in sorted(calls)]
+
+
+def test_a_forced_call_cut_by_max_tokens_ends_the_same_streamed_and_whole(server):
+    """One rule for both: the same finish_reason ("length" for a cut call, "tool_calls" for a
+    whole one), the same content and the same calls, wherever max_tokens cuts."""
+    client = server.client()
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    base = dict(model=server.model, messages=ASK, tools=TOOLS, tool_choice=named, temperature=0)
+    full = client.chat.completions.create(max_tokens=200, **base)
+    assert full.choices[0].finish_reason == "tool_calls"
+    n = full.usage.completion_tokens
+    finishes = []
+    for max_tokens in sorted({1, n // 3, 2 * n // 3, n - 2, n - 1, n}):
+        whole = client.chat.completions.create(max_tokens=max_tokens, **base).choices[0]
+        finish, content, calls = _streamed(client, max_tokens=max_tokens, **base)
+        assert finish == whole.finish_reason, max_tokens
+        assert content == (whole.message.content or ""), max_tokens
+        whole_calls = whole.message.tool_calls or []
+        assert calls == [(c.function.name, c.function.arguments) for c in whole_calls]
+        finishes.append((finish, len(calls)))
+    assert ("length", 1) in finishes and finishes[-1] == ("tool_calls", 1)
 
 
 def test_auto_and_none_answer_in_text_or_calls(server):

@@ -25,7 +25,8 @@ default `strict_mode` (vLLM's, SGLang's) does. Clients send tools without it (La
 one; the closed outputs are a subset of the schema's, so they still validate.
 
 The response's `sampling.constraint` is `to_dict()`: the kind, the field it came from and the
-first 12 hex digits of the SHA-256 of its source (the schema as canonical JSON, or the text).
+first 12 hex digits of the SHA-256 of its source (the schema as canonical JSON, or the text; a
+forced tool call's: its call object's schema, server/tools.py).
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ def closed(schema: Any, close: bool = True) -> Any:
     return out
 
 
+def canonical(schema: Any) -> str:
+    """A JSON schema as the text its hash is of: sorted keys, no spaces."""
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 class ConstraintError(InvalidRequest):
     """A structured-output request that cannot be compiled; `param` names the field."""
 
@@ -110,7 +116,7 @@ class StructuredOutput:
                 raise ConstraintError(param, f"{param}: not valid JSON: {exc}") from exc
         if not isinstance(schema, dict):
             raise ConstraintError(param, f"{param}: a JSON schema must be an object")
-        source = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        source = canonical(schema)
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         except ValueError as exc:
@@ -133,18 +139,22 @@ class StructuredOutput:
         return cls._checked("choice", param, llguidance.grammar_from("choice", source), source)
 
     @classmethod
-    def lark(cls, text: str, param: str, kind: str = "grammar") -> StructuredOutput:
-        """A Lark grammar (llguidance's dialect), or a GBNF one (llama.cpp's), converted."""
+    def lark(
+        cls, text: str, param: str, kind: str = "grammar", source: str | None = None
+    ) -> StructuredOutput:
+        """A Lark grammar (llguidance's dialect), or a GBNF one (llama.cpp's), converted.
+        `source`: what the hash is of, if not the text (a forced call's schema)."""
         try:
             lark = any_to_lark(text)
         except Exception as exc:  # the converter raises plain exceptions for bad GBNF
             raise ConstraintError(param, f"{param}: cannot read the grammar: {exc}") from exc
-        return cls._checked(kind, param, llguidance.grammar_from("lark", lark), text)
+        grammar = llguidance.grammar_from("lark", lark)
+        return cls._checked(kind, param, grammar, text if source is None else source)
 
     @classmethod
     def _checked(cls, kind: str, param: str, grammar: str, source: str) -> StructuredOutput:
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
         if is_error:
             raise ConstraintError(param, f"{param}: {messages[0] if messages else 'invalid'}")
-        digest = hashlib.sha256(source.encode()).hexdigest()[:12]
+        digest = hashlib.sha256(source.encode(errors="surrogatepass")).hexdigest()[:12]
         return cls(kind, param, grammar, digest)

@@ -1,6 +1,6 @@
 """Chat completion responses and stream chunks from a Job's outputs; with tools, each choice's
-text is read for tool calls (server/tools.py) and one that holds whole calls finishes with
-"tool_calls" where it would have finished with "stop"."""
+text is read for tool calls, whole or streamed, by server/tools.py's one rule (`answer`,
+`finish_reason`)."""
 
 from __future__ import annotations
 
@@ -12,18 +12,17 @@ from thermostat.api.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
-    ChatMessageOut,
     DeltaMessage,
 )
 from thermostat.server.logprobs import TokenText, chat_logprobs
 from thermostat.server.serving import Job
-from thermostat.server.tools import ToolRequest, ToolStream, tool_calls
+from thermostat.server.tool_parsers import ToolText
+from thermostat.server.tools import ToolRequest, ToolStream, answer, finish_reason
 
 
-def _end(job: Job, index: int, called: bool) -> dict[str, Any]:
+def _end(job: Job, index: int, read: ToolText | None) -> dict[str, Any]:
     end = job.choice_end(index)
-    if called and end["finish_reason"] == "stop":
-        end["finish_reason"] = "tool_calls"
+    end["finish_reason"] = finish_reason(end["finish_reason"], read)
     return end
 
 
@@ -35,18 +34,14 @@ def chat_response(
     for index in range(job.num_choices):
         choice = job.choices[index]
         logprobs = None if choice.logprobs is None else chat_logprobs(choice.logprobs, tokens)
-        message = ChatMessageOut(content=choice.text)
-        if tools is not None and tools.parses:
-            read = tools.parser.read(choice.text)
-            if read.valid:
-                message = ChatMessageOut(content=read.content or None, tool_calls=tool_calls(read))
+        read = tools.parser.read(choice.text) if tools is not None and tools.parses else None
         choices.append(
             ChatChoice(
                 index=index,
-                message=message,
+                message=answer(choice.text, read),
                 logprobs=logprobs,
                 sampling=job.choice_sampling(index),
-                **_end(job, index, message.tool_calls is not None),
+                **_end(job, index, read),
             )
         )
     return ChatCompletionResponse(choices=choices, **job.final_fields())
@@ -80,14 +75,14 @@ async def chat_chunks(
         delta = DeltaMessage(content=out.new_text) if out.new_text else DeltaMessage()
         stream = streams.get(index)
         if stream is not None:
-            delta = stream.feed(out.new_text) or DeltaMessage()
+            delta = stream.feed(out.new_text, out.finished) or DeltaMessage()
         if not out.finished:
             if delta.content or delta.tool_calls or (logprobs and logprobs["content"]):
                 yield chunk([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs)])
             continue
-        called = stream is not None and stream.called
+        read = stream.read if stream is not None else None
         final = ChatChunkChoice(
-            index=index, delta=delta, logprobs=logprobs, **_end(job, index, called)
+            index=index, delta=delta, logprobs=logprobs, **_end(job, index, read)
         )
         yield chunk([final], **job.last_chunk_fields(index))
     if include_usage:

@@ -133,7 +133,7 @@ def _chat_params(
 ) -> tuple[SamplingParams, ToolRequest | None]:
     """A chat body's SamplingParams, its forced tool call (if any) one of its constraints."""
     tools = ToolRequest.of(body, state.tool_parser)
-    return to_sampling_params(body, tools.constraint() if tools else None), tools
+    return (tools.params(body) if tools else to_sampling_params(body)), tools
 
 
 @router.post("/v1/chat/completions")

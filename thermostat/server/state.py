@@ -29,7 +29,7 @@ from thermostat.server.disaggregation import DecodeRole, PrefillRole
 from thermostat.server.logprobs import TokenText
 from thermostat.server.prompts import PromptBuilder
 from thermostat.server.serving import Serving
-from thermostat.server.tool_parsers import ToolParser, parser_for
+from thermostat.server.tool_parsers import ToolParser, marker_tokens, parser_for
 from thermostat.systemd import notify
 
 log = logging.getLogger("thermostat.server")
@@ -99,7 +99,11 @@ class ServerState:
         self.tokens = TokenText(engine.tokenizer)
         self.max_model_len = engine.max_model_len
         self.model_config = engine.loaded.config_dict
-        self.tool_parser = parser_for(self.model_config, self.config.tool_call_parser)
+        self.tool_parser = parser_for(
+            self.model_config,
+            self.config.tool_call_parser,
+            marker_tokens(engine.tokenizer.added_tokens_decoder),
+        )
         try:
             self.role = await self._role(engine)
         except OSError as exc:  # the bootstrap port is taken

@@ -10,235 +10,213 @@
 (hermes writes a newline after `<tool_call>` and before `</tool_call>`.)
 
 Reading is by prefix (`ToolParser.read`): the text so far gives the content before the first
-call and, per call, its name once complete and the raw text of its arguments so far. Streaming
-diffs two reads; a finished text reads the same way, so streamed pieces join to the message.
+call and, per call, its name once complete and the raw text of its arguments so far. A read
+can resume from an earlier read of a prefix: the calls that prefix had closed stay as read and
+reading picks up past them, so a stream reads each token's text from its last closed call on.
 Arguments are the model's own JSON text (what OpenAI's `function.arguments` string carries).
+
+The grammar of a forced call writes the format's envelope as fixed text (markers, the name, the
+arguments key: `<tool_call>\\n{"name": "f", "arguments": ` and `}\\n</tool_call>`); only the
+arguments are generated, to the tool's schema (as xgrammar's structural tags do). A marker that
+is one added token of the tokenizer (`<tool_call>` in Qwen's, `[TOOL_CALLS]` in Mistral's) is
+written as that token (`<[id]>`): llguidance reads every added token as a special token, never
+as its text, so a grammar that spelled it out could neither take the token nor be written
+without it (the tokenizer always produces it). The text keeps special tokens then (`keeps_special`).
 """
 
 from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-
-@dataclass
-class CallSoFar:
-    name: str | None = None  # once its JSON string is complete
-    arguments: str = ""  # raw JSON text of the arguments so far
-    complete: bool = False  # the call's object is closed and its arguments parse
+from thermostat.server.tool_json import CallSoFar, read_call, skip_ws
 
 
 @dataclass
 class ToolText:
     """A (possibly partial) output read by a parser."""
 
-    content: str  # text before the first call (all of it if there is none)
+    content: str  # text before the first call (all of it, trailing whitespace held, if none)
     calls: list[CallSoFar] = field(default_factory=list)
+    resume: int | None = None  # where reading a longer text picks up (None: from the start)
+    settled: int = 0  # calls[:settled] are closed: a longer text reads them the same
 
     @property
     def valid(self) -> bool:
-        """Every call is whole: what a finished output must be to answer with tool_calls."""
+        """Every call is whole: what a finished output must be to end with "tool_calls"."""
         return bool(self.calls) and all(c.complete and c.name for c in self.calls)
 
-
-def scan_json(text: str, start: int) -> tuple[int | None, dict[str, tuple[int, int | None]]]:
-    """Scan the JSON object starting at `text[start]` ("{"). Returns (end, keys): `end` is one
-    past its closing brace (None if the text ends first); `keys` maps each top-level key to its
-    value's (start, end) span (end None while unfinished)."""
-    depth, i, in_string, escaped = 0, start, False, False
-    keys: dict[str, tuple[int, int | None]] = {}
-    key_start: int | None = None
-    pending_key: str | None = None
-    value: tuple[str, int] | None = None  # (key, start) of the top-level value being read
-    while i < len(text):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-                if depth == 1 and value is None and key_start is not None:
-                    try:
-                        pending_key = json.loads(text[key_start : i + 1])
-                    except json.JSONDecodeError:
-                        pending_key = None
-                    key_start = None
-        elif ch == '"':
-            in_string = True
-            if depth == 1 and value is None:
-                key_start = i
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                if value is not None:
-                    keys[value[0]] = (value[1], _rstrip(text, i))
-                return i + 1, keys
-        elif ch == ":" and depth == 1 and pending_key is not None:
-            j = i + 1
-            while j < len(text) and text[j] in " \t\r\n":
-                j += 1
-            value, pending_key = (pending_key, j), None
-            keys[value[0]] = (j, None)
-        elif ch == "," and depth == 1 and value is not None:
-            keys[value[0]] = (value[1], _rstrip(text, i))
-            value = None
-        i += 1
-    return None, keys
+    @property
+    def named(self) -> list[CallSoFar]:
+        """The calls whose name was read: those an answer carries (and a stream announces)."""
+        return [c for c in self.calls if c.name]
 
 
-def _rstrip(text: str, end: int) -> int:
-    while end > 0 and text[end - 1] in " \t\r\n":
-        end -= 1
-    return end
+@dataclass(frozen=True)
+class MarkerToken:
+    """A format's marker that is one added token of the tokenizer."""
+
+    id: int
+    special: bool  # decoding with skip_special_tokens drops it
 
 
-def read_call(text: str, start: int, args_key: str) -> tuple[CallSoFar, int | None]:
-    """The call object at `text[start]`, and one past its end (None if unfinished)."""
-    end, keys = scan_json(text, start)
-    call = CallSoFar()
-    if "name" in keys and keys["name"][1] is not None:
-        name_start, name_end = keys["name"]
-        try:
-            name = json.loads(text[name_start:name_end])
-            call.name = name if isinstance(name, str) else None
-        except json.JSONDecodeError:
-            pass
-    if args_key in keys:
-        a_start, a_end = keys[args_key]
-        call.arguments = text[a_start : len(text) if a_end is None else a_end]
-        if a_end is not None and end is not None:
-            try:
-                parsed = json.loads(call.arguments)
-                if isinstance(parsed, str):  # arguments written as a JSON string
-                    call.arguments = parsed
-                call.complete = True
-            except json.JSONDecodeError:
-                pass
-    return call, end
-
-
-def _skip_ws(text: str, i: int) -> int:
-    while i < len(text) and text[i] in " \t\r\n":
-        i += 1
-    return i
+def marker_tokens(added: Mapping[int, Any]) -> dict[str, MarkerToken]:
+    """The added tokens of a tokenizer by text, from transformers' `added_tokens_decoder`
+    (id -> AddedToken with `content` and `special`)."""
+    return {t.content: MarkerToken(i, bool(t.special)) for i, t in added.items()}
 
 
 class ToolParser(ABC):
-    """One family's tool-call format. Subclasses set `name` and `args_key`; the registry
-    `PARSERS` maps names to them."""
+    """One family's tool-call format. Subclasses set `name`, `args_key` and `markers`; the
+    registry `PARSERS` maps names to them. `tokens`: the tokenizer's added tokens by text."""
 
     name: ClassVar[str]
     args_key: ClassVar[str] = "arguments"
+    markers: ClassVar[tuple[str, ...]] = ()  # the fixed texts its grammar writes
+
+    def __init__(self, tokens: Mapping[str, MarkerToken] | None = None) -> None:
+        self.tokens = {m: t for m, t in (tokens or {}).items() if m in self.markers}
+
+    @property
+    def keeps_special(self) -> bool:
+        """Whether the output must be decoded with special tokens: a marker is one."""
+        return any(t.special for t in self.tokens.values())
+
+    def read(self, text: str, after: ToolText | None = None) -> ToolText:
+        """The content and the calls of `text`, a prefix of (or the whole) output. `after`: a
+        read of a prefix of `text`, to resume from."""
+        if after is not None and after.resume is not None:
+            content, i, done = after.content, after.resume, after.calls[: after.settled]
+        else:
+            content, start = self.start(text)
+            if start is None:
+                return ToolText(content)
+            i, done = start, []
+        calls, resume, settled = self.calls_from(text, i)
+        return ToolText(content, done + calls, resume, len(done) + settled)
 
     @abstractmethod
-    def read(self, text: str) -> ToolText:
-        """The content and the calls of `text`, a prefix of (or the whole) output."""
+    def start(self, text: str) -> tuple[str, int | None]:
+        """The content, and where the calls begin (None while no call has begun)."""
+
+    def calls_from(self, text: str, i: int) -> tuple[list[CallSoFar], int, int]:
+        """The calls from `text[i]` on (where a call may begin), the offset past the last
+        closed one (`i` if none) and how many are closed."""
+        return self.read_calls(text, i, "")
 
     @abstractmethod
-    def grammar(self, call_schema: dict[str, Any], parallel: bool) -> str:
-        """A Lark grammar (llguidance's dialect) for output that is only tool calls, each call
-        object matching `call_schema`; more than one only if `parallel`."""
+    def frame(self, call: str, parallel: bool) -> str:
+        """The Lark rule `start` around the rule `call` (one call object)."""
 
-    def call_object(self, name_schema: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-        """The JSON schema of one call object of this format."""
-        return {
-            "type": "object",
-            "properties": {"name": name_schema, self.args_key: params},
-            "required": ["name", self.args_key],
-            "additionalProperties": False,
-        }
+    def grammar(self, calls: Mapping[str, dict[str, Any]], parallel: bool) -> str:
+        """A Lark grammar (llguidance's dialect) for output that is only tool calls: `calls`
+        maps each tool that may be called to its arguments' JSON schema; more than one call
+        only if `parallel`. The call object's text is fixed up to its arguments."""
+        rules = [self.frame(" | ".join(f"call{k}" for k in range(len(calls))), parallel)]
+        for k, (name, params) in enumerate(calls.items()):
+            head = f'{{"name": {json.dumps(name)}, "{self.args_key}": '
+            rules.append(f'call{k}: {json.dumps(head)} args{k} "}}"')
+            rules.append(f"args{k}: %json {json.dumps(params)}")
+        return "\n".join(rules) + "\n"
 
-    def read_calls(self, text: str, i: int, separators: str) -> list[CallSoFar]:
-        """Call objects from `text[i]` on, separated by whitespace and `separators`."""
+    def lit(self, marker: str) -> str:
+        """A marker in a Lark grammar: its token where it is one added token, else its text."""
+        token = self.tokens.get(marker)
+        return f"<[{token.id}]>" if token is not None else json.dumps(marker)
+
+    def read_calls(self, text: str, i: int, separators: str) -> tuple[list[CallSoFar], int, int]:
+        """Call objects from `text[i]` on, separated by whitespace and `separators` (as
+        `calls_from`)."""
         calls: list[CallSoFar] = []
+        resume = i
         while True:
-            i = _skip_ws(text, i)
+            i = skip_ws(text, i)
             while i < len(text) and text[i] in separators:
-                i = _skip_ws(text, i + 1)
+                i = skip_ws(text, i + 1)
             if i >= len(text) or text[i] != "{":
-                return calls
+                return calls, resume, len(calls)
             call, end = read_call(text, i, self.args_key)
-            calls.append(call)
             if end is None:
-                return calls
-            i = end
+                return [*calls, call], resume, len(calls)
+            calls.append(call)
+            i = resume = end
 
 
 class HermesParser(ToolParser):
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
+    markers = (START, END)
 
-    def read(self, text: str) -> ToolText:
+    def start(self, text: str) -> tuple[str, int | None]:
         first = text.find(self.START)
         if first < 0:
-            held = _held_prefix(text, self.START)
-            return ToolText(text[: len(text) - held])
+            return text[: len(text) - _held_prefix(text, self.START)].rstrip(), None
+        return text[:first].rstrip(), first
+
+    def calls_from(self, text: str, i: int) -> tuple[list[CallSoFar], int, int]:
         calls: list[CallSoFar] = []
-        i = first
+        resume = i
         while (i := text.find(self.START, i)) >= 0:
             i += len(self.START)
-            found = self.read_calls(text, i, "")
-            if not found:
-                calls.append(CallSoFar())
-                break
-            calls.append(found[0])
             close = text.find(self.END, i)
+            found = self.read_calls(text if close < 0 else text[:close], i, "")[0]
+            calls.append(found[0] if found else CallSoFar())
             if close < 0:
-                break
-            i = close + len(self.END)
-        return ToolText(text[:first].rstrip(), calls)
+                return calls, resume, len(calls) - 1
+            i = resume = close + len(self.END)
+        return calls, resume, len(calls)
 
-    def grammar(self, call_schema: dict[str, Any], parallel: bool) -> str:
-        more = ' ("\\n" call)*' if parallel else ""
-        return (
-            f"start: call{more}\n"
-            f'call: "<tool_call>\\n" obj "\\n</tool_call>"\n'
-            f"obj: %json {json.dumps(call_schema)}\n"
-        )
+    def frame(self, call: str, parallel: bool) -> str:
+        more = ' ("\\n" tool_call)*' if parallel else ""
+        start, end = self.lit(self.START), self.lit(self.END)
+        return f'start: tool_call{more}\ntool_call: {start} "\\n" ({call}) "\\n" {end}'
 
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     args_key = "parameters"
-    TAG = "<|python_tag|>"
+    TAG = "<|python_tag|>"  # read if present; the grammar writes none
 
-    def read(self, text: str) -> ToolText:
+    def start(self, text: str) -> tuple[str, int | None]:
         body = text.removeprefix(self.TAG)
-        i = _skip_ws(body, 0)
-        if i >= len(body) or body[i] != "{":
-            return ToolText(text if not self.TAG.startswith(text) else "")
-        return ToolText("", self.read_calls(body, i, ";"))
+        i = skip_ws(body, 0)
+        if i < len(body) and body[i] == "{":
+            return "", len(text) - len(body) + i
+        if i == len(body) or self.TAG.startswith(text):
+            return "", None  # nothing but whitespace (or a tag) yet
+        return text.rstrip(), None
 
-    def grammar(self, call_schema: dict[str, Any], parallel: bool) -> str:
-        more = ' ("; " obj)*' if parallel else ""
-        return f"start: obj{more}\nobj: %json {json.dumps(call_schema)}\n"
+    def calls_from(self, text: str, i: int) -> tuple[list[CallSoFar], int, int]:
+        return self.read_calls(text, i, ";")
+
+    def frame(self, call: str, parallel: bool) -> str:
+        more = ' ("; " call)*' if parallel else ""
+        return f"start: call{more}\ncall: {call}"
 
 
 class MistralParser(ToolParser):
     name = "mistral"
     START = "[TOOL_CALLS]"
+    markers = (START,)
 
-    def read(self, text: str) -> ToolText:
+    def start(self, text: str) -> tuple[str, int | None]:
         first = text.find(self.START)
         if first < 0:
-            return ToolText(text[: len(text) - _held_prefix(text, self.START)])
-        i = _skip_ws(text, first + len(self.START))
-        if i < len(text) and text[i] == "[":
-            i += 1
-        return ToolText(text[:first].rstrip(), self.read_calls(text, i, ","))
+            return text[: len(text) - _held_prefix(text, self.START)].rstrip(), None
+        i = skip_ws(text, first + len(self.START))
+        if i >= len(text):
+            return text[:first].rstrip(), None
+        return text[:first].rstrip(), i + (text[i] == "[")
 
-    def grammar(self, call_schema: dict[str, Any], parallel: bool) -> str:
-        array = {"type": "array", "items": call_schema, "minItems": 1}
-        if not parallel:
-            array["maxItems"] = 1
-        array["x-guidance"] = call_schema.get("x-guidance", {})
-        return f'start: "[TOOL_CALLS]" calls\ncalls: %json {json.dumps(array)}\n'
+    def calls_from(self, text: str, i: int) -> tuple[list[CallSoFar], int, int]:
+        return self.read_calls(text, i, ",")
+
+    def frame(self, call: str, parallel: bool) -> str:
+        more = ' (", " call)*' if parallel else ""
+        return f'start: {self.lit(self.START)} "[" call{more} "]"\ncall: {call}'
 
 
 def _held_prefix(text: str, marker: str) -> int:
@@ -262,9 +240,14 @@ FAMILY_PARSERS = {
 }
 
 
-def parser_for(model_config: dict[str, Any], override: str | None = None) -> ToolParser:
-    """The parser named by `override` (--tool-call-parser), else the model family's."""
+def parser_for(
+    model_config: dict[str, Any],
+    override: str | None = None,
+    tokens: Mapping[str, MarkerToken] | None = None,
+) -> ToolParser:
+    """The parser named by `override` (--tool-call-parser), else the model family's; `tokens`:
+    the tokenizer's added tokens (`marker_tokens`)."""
     if override is not None:
-        return PARSERS[override]()
+        return PARSERS[override](tokens)
     family = model_config.get("thermostat_family") or model_config.get("model_type") or ""
-    return PARSERS[FAMILY_PARSERS.get(family, "hermes")]()
+    return PARSERS[FAMILY_PARSERS.get(family, "hermes")](tokens)

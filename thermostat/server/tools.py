@@ -10,34 +10,52 @@ The template always sees the tools.
 | `required`        | a call of any tool (more if parallel)         | tool_calls              |
 | `{"function": …}` | one call of that tool                         | tool_calls              |
 
-The constraint is the parser's grammar (server/tool_parsers.py) around a JSON schema of the
-call object (the tool's name as a constant, its parameters' schema closed: no keys it does not
-list unless it allows them, sampling/structured.py's `closed`), with JSON whitespace bounded as
-for response_format. A choice whose output holds whole calls finishes with
-`finish_reason: "tool_calls"`; each call gets an id `call_<24 hex>`.
+The constraint is the parser's grammar (server/tool_parsers.py): the format's envelope as fixed
+text around each forced tool's arguments, generated to its parameters' schema closed (no keys
+it does not list unless it allows them, sampling/structured.py's `closed`), with JSON
+whitespace bounded as for response_format. Its hash (`sampling.constraint.hash`) is of the
+call object's schema in OpenAI's terms (`call_schema`), the same for any format, so the
+gateway reports the same one.
+
+One rule for streamed and whole answers (`answer`, `finish_reason`): a choice answers with the
+calls whose name was read (a stream has announced them), else with its text; it ends in
+`finish_reason: "tool_calls"` where it stopped with every call whole (a call cut by
+`max_tokens` ends in "length", with what was read of it). Each call gets an id
+`call_<24 hex>`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from thermostat.api.protocol import (
     ChatCompletionRequest,
+    ChatMessageOut,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
     FunctionCall,
     ToolCall,
 )
+from thermostat.api.request_params import to_sampling_params
+from thermostat.sampling.params import SamplingParams
 from thermostat.sampling.structured import (
-    JSON_OPTIONS,
     ConstraintError,
     StructuredOutput,
+    canonical,
     closed,
 )
 from thermostat.server.tool_parsers import ToolParser, ToolText
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # declared in the stubs only
+
+# A call's arguments are one line, as the families write them: at most a space between two
+# tokens of the JSON text (`{"city": "Paris", "unit": "C"}`); no budget goes to indentation.
+ARGS_JSON: JsonCompileOptions = {"whitespace_flexible": False, "whitespace_pattern": "[ ]?"}
 
 
 def call_id() -> str:
@@ -87,49 +105,92 @@ class ToolRequest:
         """Whether the output is read for tool calls."""
         return self.choice != "none"
 
+    def call_schema(self) -> dict[str, Any]:
+        """The JSON schema of one forced call object, in OpenAI's terms: `name` the tool's
+        name as a constant, `arguments` its parameters closed; `anyOf` over the tools that
+        `required` allows. Its hash is the constraint's, whatever the format (serve's parser,
+        or the gateway's upstream)."""
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for name, params in self._forced().items()
+        ]
+        return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
     def constraint(self) -> StructuredOutput | None:
         """The grammar of a forced call; None when the model may answer in text."""
         if not self.forced:
             return None
-        calls = []
-        for tool in self.tools:
-            function = tool["function"]
-            if self.choice in ("required", function["name"]):
-                params = closed(function.get("parameters") or {"type": "object"})
-                calls.append(self.parser.call_object({"const": function["name"]}, params))
-        schema: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        schema = schema | {"x-guidance": dict(JSON_OPTIONS)}
-        grammar = self.parser.grammar(schema, self.parallel and self.choice == "required")
-        return StructuredOutput.lark(grammar, "tool_choice", kind="tool_call")
+        calls = {name: p | {"x-guidance": dict(ARGS_JSON)} for name, p in self._forced().items()}
+        grammar = self.parser.grammar(calls, self.parallel and self.choice == "required")
+        source = canonical(self.call_schema())
+        return StructuredOutput.lark(grammar, "tool_choice", kind="tool_call", source=source)
+
+    def params(self, body: ChatCompletionRequest) -> SamplingParams:
+        """The body's SamplingParams as served: a forced call one of its constraints, the text
+        decoded with special tokens where the format's markers are special tokens (unless the
+        client said otherwise), so that they can be read."""
+        params = to_sampling_params(body, self.constraint())
+        if self.parses and self.parser.keeps_special and params.skip_special_tokens is None:
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        return params
+
+    def _forced(self) -> dict[str, dict[str, Any]]:
+        """The tools a forced call may be of, by name: their parameters' schemas, closed."""
+        return {
+            t["function"]["name"]: closed(t["function"].get("parameters") or {"type": "object"})
+            for t in self.tools
+            if self.choice in ("required", t["function"]["name"])
+        }
 
 
-def tool_calls(read: ToolText) -> list[ToolCall]:
-    return [
+def answer(text: str, read: ToolText | None) -> ChatMessageOut:
+    """A finished choice's message, streamed or whole: its calls once one has a name (a stream
+    has announced it then), after the content before them; else its text."""
+    if read is None or not read.named:
+        return ChatMessageOut(content=text)
+    calls = [
         ToolCall(id=call_id(), function=FunctionCall(name=c.name or "", arguments=c.arguments))
-        for c in read.calls
+        for c in read.named
     ]
+    return ChatMessageOut(content=read.content or None, tool_calls=calls)
+
+
+def finish_reason(end: str, read: ToolText | None) -> str:
+    """The one rule: a choice that stopped (not cut) with every call whole ends in
+    "tool_calls"."""
+    return "tool_calls" if end == "stop" and read is not None and read.valid else end
 
 
 @dataclass
 class ToolStream:
-    """One streamed choice: text in, OpenAI deltas out (content, then per call a first delta
-    with id, type and name, then pieces of its arguments)."""
+    """One streamed choice: text in, OpenAI deltas out (content, then per named call a first
+    delta with id, type and name, then pieces of its arguments). Each token's text is read from
+    the last closed call on; the deltas join to `answer`'s message."""
 
     parser: ToolParser
     text: str = ""
+    read: ToolText = field(default_factory=lambda: ToolText(""))
     content_sent: int = 0
     args_sent: list[int] = field(default_factory=list)  # per call announced so far
 
-    def feed(self, new_text: str) -> DeltaMessage | None:
+    def feed(self, new_text: str, finished: bool = False) -> DeltaMessage | None:
+        """The delta of `new_text`; `finished`: it is the last (text no call took is sent)."""
         self.text += new_text
-        read = self.parser.read(self.text)
+        self.read = self.parser.read(self.text, self.read)
+        named = self.read.named
+        content = self.text if finished and not named else self.read.content
         delta = DeltaMessage()
-        if len(read.content) > self.content_sent:
-            delta.content = read.content[self.content_sent :]
-            self.content_sent = len(read.content)
+        if len(content) > self.content_sent:
+            delta.content = content[self.content_sent :]
+            self.content_sent = len(content)
         pieces = []
-        for index, call in enumerate(read.calls):
-            if index == len(self.args_sent) and call.name:
+        for index, call in enumerate(named):
+            if index == len(self.args_sent):
                 self.args_sent.append(0)
                 pieces.append(
                     DeltaToolCall(
@@ -139,7 +200,7 @@ class ToolStream:
                         function=DeltaFunctionCall(name=call.name, arguments=""),
                     )
                 )
-            if index < len(self.args_sent) and len(call.arguments) > self.args_sent[index]:
+            if len(call.arguments) > self.args_sent[index]:
                 piece = call.arguments[self.args_sent[index] :]
                 self.args_sent[index] = len(call.arguments)
                 args = DeltaFunctionCall(arguments=piece)
@@ -147,7 +208,3 @@ class ToolStream:
         if pieces:
             delta.tool_calls = pieces
         return delta if delta.content is not None or pieces else None
-
-    @property
-    def called(self) -> bool:
-        return bool(self.args_sent)

@@ -1,0 +1,42 @@
+"""Tiny random models whose tokenizers hold their family's tool-call markers as the real ones do:
+Qwen's `<tool_call>` / `</tool_call>` as added, non-special tokens; Llama 3's `<|python_tag|>`
+and Mistral's `[TOOL_CALLS]` as special tokens; the demo model's as plain text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerFast
+
+from thermostat.random_model import build_tokenizer, write_model
+
+MARKERS = {
+    "hermes": ["<tool_call>", "</tool_call>"],
+    "llama3_json": ["<|python_tag|>"],
+    "mistral": ["[TOOL_CALLS]"],
+}
+# family -> (random_model kind, parser, how its tokenizer holds the markers)
+FAMILIES = {
+    "qwen3": ("qwen3", "hermes", "added"),
+    "llama": ("llama", "llama3_json", "special"),
+    "mistral": ("mistral", "mistral", "special"),
+}
+
+
+def tool_tokenizer(parser: str, markers: str) -> PreTrainedTokenizerFast:
+    """The test tokenizer with `parser`'s markers as `markers`: "plain" (text only), "added"
+    (added, not special) or "special" tokens."""
+    tokenizer = build_tokenizer()
+    if markers != "plain":
+        tokenizer.add_tokens(MARKERS[parser], special_tokens=markers == "special")
+    return tokenizer
+
+
+def write_tool_model(path: Path, family: str) -> Path | str:
+    """A tiny random model of `family` (a FAMILIES key) with real-shaped markers, or "demo"."""
+    if family == "demo":
+        return "demo"
+    kind, parser, markers = FAMILIES[family]
+    write_model(path, kind)
+    tool_tokenizer(parser, markers).save_pretrained(path)
+    return path
