@@ -1,8 +1,8 @@
 """The OpenAI edge (`thermostat/api/`) and the gateway never reach torch, the engine, the model
-code or the KV transfer: read from the import graph itself (every `import` in every module, at
-any depth, so a lazy import inside a function counts too), except under `if TYPE_CHECKING:` and
-in a package's module-level `__getattr__` (PEP 562: it runs only when that lazily exported name
-is asked for, as `thermostat.LLM` is)."""
+code, the KV transfer or the engine's server (`server/`): read from the import graph itself
+(every `import` in every module, at any depth, so a lazy import inside a function counts too),
+except under `if TYPE_CHECKING:` and in a package's module-level `__getattr__` (PEP 562: it runs
+only when that lazily exported name is asked for, as `thermostat.LLM` is)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "thermostat"
-FORBIDDEN = ("torch", "thermostat.engine", "thermostat.models", "thermostat.disagg")
+# server/ drives the engine: the edge and the gateway build on api/, never on it.
+FORBIDDEN = (
+    "torch",
+    "thermostat.engine",
+    "thermostat.models",
+    "thermostat.disagg",
+    "thermostat.server",
+)
 TORCH_FREE = ("thermostat.api", "thermostat.gateway")
 
 

@@ -13,9 +13,9 @@ import pytest
 
 from tests.server_utils import running_server
 from tests.tool_models import tool_tokenizer, write_tool_model
+from thermostat.api.tool_parsers import PARSERS, marker_tokens, parser_for
+from thermostat.api.tools import ToolStream
 from thermostat.engine.constraint import ConstraintCompiler, allowed_ids
-from thermostat.server.tool_parsers import PARSERS, marker_tokens, parser_for
-from thermostat.server.tools import ToolStream
 
 WEATHER = {
     "type": "function",
@@ -101,7 +101,7 @@ def test_a_stream_resumes_past_closed_calls_and_sends_text_no_call_took():
     """The stream reads each token's text from its last closed call on (the format's start is
     not looked for again); a text whose call never got a name is sent whole at the end, as
     the whole answer gives it."""
-    from thermostat.server.tools import answer
+    from thermostat.api.tools import answer
 
     parser = PARSERS["hermes"]()
     starts = 0
@@ -152,7 +152,7 @@ def test_forced_call_grammar_only_admits_calls_the_parser_reads(name, markers):
     grammar writes the call's envelope, a marker token as that token (fault (a) of issue 18:
     an added `<tool_call>` dead-ended the call)."""
     from thermostat.api.protocol import ChatCompletionRequest
-    from thermostat.server.tools import ToolRequest
+    from thermostat.api.tools import ToolRequest
 
     tokenizer = tool_tokenizer(name, markers)
     parser = PARSERS[name](marker_tokens(tokenizer.added_tokens_decoder))
@@ -204,8 +204,8 @@ def test_forced_call_grammar_only_admits_calls_the_parser_reads(name, markers):
 def test_the_constraint_hash_is_of_the_call_schema_whatever_the_format():
     """serve's hash (any parser, markers as tokens or text) is the gateway's."""
     from thermostat.api.protocol import ChatCompletionRequest
+    from thermostat.api.tools import ToolRequest
     from thermostat.gateway.tools import tool_constraint
-    from thermostat.server.tools import ToolRequest
 
     for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
         body = ChatCompletionRequest.model_validate(

@@ -1,5 +1,5 @@
 """The OpenAI edge: what `serve` and the gateway both speak, torch-free (tests/test_import_graph.py
-keeps torch, `engine/`, `models/` and `disagg/` out of it).
+keeps torch, `engine/`, `models/`, `disagg/` and `server/` out of it).
 
 | module            | one concept                                                          |
 |-------------------|----------------------------------------------------------------------|
@@ -11,6 +11,9 @@ keeps torch, `engine/`, `models/` and `disagg/` out of it).
 | disconnect.py     | a client that leaves (499) aborts its work                           |
 | defaults.py       | the defaults report: /v1/sampling/defaults and the startup table     |
 | metrics.py        | the Prometheus metrics every OpenAI edge keeps                       |
+| tools.py          | tools and tool_choice: the prompt, the forced call, the answer rule  |
+| tool_parsers.py   | each family's tool-call format: its grammar and its reader           |
+| tool_json.py      | the JSON scanning the readers share                                  |
 | arguments.py      | the flags `serve` and the gateway share                              |
 | config.py         | the settings every edge has (EdgeConfig) and their flags             |
 | lifecycle.py      | uvicorn with readiness and a graceful drain                          |

@@ -13,9 +13,9 @@ request, the same hash, through the gateway or direct, any upstream.
 from __future__ import annotations
 
 from thermostat.api.protocol import ChatCompletionRequest
+from thermostat.api.tool_parsers import parser_for
+from thermostat.api.tools import ToolRequest
 from thermostat.sampling.structured import StructuredOutput
-from thermostat.server.tool_parsers import parser_for
-from thermostat.server.tools import ToolRequest
 
 
 def tool_constraint(body: ChatCompletionRequest) -> StructuredOutput | None:

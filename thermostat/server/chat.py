@@ -14,10 +14,10 @@ from thermostat.api.protocol import (
     ChatCompletionResponse,
     DeltaMessage,
 )
+from thermostat.api.tool_parsers import ToolText
+from thermostat.api.tools import ToolRequest, ToolStream, answer, finish_reason
 from thermostat.server.logprobs import TokenText, chat_logprobs
 from thermostat.server.serving import Job
-from thermostat.server.tool_parsers import ToolText
-from thermostat.server.tools import ToolRequest, ToolStream, answer, finish_reason
 
 
 def _end(job: Job, index: int, read: ToolText | None) -> dict[str, Any]:

@@ -17,9 +17,9 @@ from thermostat.api.arguments import (
 )
 from thermostat.api.config import edge_options
 from thermostat.api.lifecycle import serve_until_stopped
+from thermostat.api.tool_parsers import PARSERS
 from thermostat.engine.config import EngineConfig
 from thermostat.server.config import ServerConfig
-from thermostat.server.tool_parsers import PARSERS
 
 HELP = "serve a model over the OpenAI API"
 EPILOG = """examples:

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from thermostat.api.config import EdgeConfig
+from thermostat.api.tool_parsers import PARSERS
 from thermostat.engine.config import EngineConfig
-from thermostat.server.tool_parsers import PARSERS
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,6 +25,7 @@ from thermostat.api.protocol import (
 )
 from thermostat.api.request_params import read_body, to_sampling_params
 from thermostat.api.responses import sse
+from thermostat.api.tools import ToolRequest
 from thermostat.sampling import SamplingParams
 from thermostat.sampling.fanout import Plan
 from thermostat.server.chat import chat_chunks, chat_response
@@ -33,7 +34,6 @@ from thermostat.server.disaggregation import PrefillRole, Rooms
 from thermostat.server.prompts import Prompt
 from thermostat.server.serving import Job
 from thermostat.server.state import ServerState
-from thermostat.server.tools import ToolRequest
 
 router = APIRouter()
 

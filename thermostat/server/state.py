@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from thermostat.api.defaults import DefaultsReport
 from thermostat.api.metrics import Metrics
+from thermostat.api.tool_parsers import ToolParser, marker_tokens, parser_for
 from thermostat.disagg.handoff import model_identity
 from thermostat.engine.llm_engine import LLMEngine
 from thermostat.engine.loader import load_model
@@ -29,7 +30,6 @@ from thermostat.server.disaggregation import DecodeRole, PrefillRole
 from thermostat.server.logprobs import TokenText
 from thermostat.server.prompts import PromptBuilder
 from thermostat.server.serving import Serving
-from thermostat.server.tool_parsers import ToolParser, marker_tokens, parser_for
 from thermostat.systemd import notify
 
 log = logging.getLogger("thermostat.server")

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from thermostat.server.tool_json import CallSoFar, read_call, skip_ws
+from thermostat.api.tool_json import CallSoFar, read_call, skip_ws
 
 
 @dataclass

@@ -41,6 +41,7 @@ from thermostat.api.protocol import (
     ToolCall,
 )
 from thermostat.api.request_params import to_sampling_params
+from thermostat.api.tool_parsers import ToolParser, ToolText
 from thermostat.sampling.params import SamplingParams
 from thermostat.sampling.structured import (
     ConstraintError,
@@ -48,7 +49,6 @@ from thermostat.sampling.structured import (
     canonical,
     closed,
 )
-from thermostat.server.tool_parsers import ToolParser, ToolText
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # declared in the stubs only
