@@ -27,7 +27,10 @@ def wait_until(
 
 
 async def until(
-    condition: Callable[[], bool], what: str, guard_s: float = HANG_GUARD_S, poll_s: float = 0.005
+    condition: Callable[[], bool],
+    what: str = "the condition",
+    guard_s: float = HANG_GUARD_S,
+    poll_s: float = 0.005,
 ) -> None:
     """`wait_until` for a coroutine: polls without blocking the event loop."""
     deadline = time.monotonic() + guard_s
