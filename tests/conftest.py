@@ -6,11 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from hypothesis import HealthCheck, settings
 from transformers import AutoModelForCausalLM
 
 from thermostat.random_model import CONFIGS, write_model
 
 __all__ = ["CONFIGS", "hf_greedy", "hf_model", "write_model"]
+
+# Every hypothesis test, whatever its own settings leave unsaid: an example's duration and the
+# time to generate data depend on what else the machine runs, so neither is checked.
+settings.register_profile("thermostat", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("thermostat")
 
 
 def hf_model(path: Path):

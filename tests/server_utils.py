@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import openai
 
+from tests.waiting import HANG_GUARD_S, hang
 from thermostat.engine.config import EngineConfig
 from thermostat.engine.llm_engine import LLMEngine
 from thermostat.server import ServerConfig, create_app
@@ -66,20 +67,20 @@ def running_server(model_dir: Path, **options: Any) -> Iterator[RunningServer]:
     thread = threading.Thread(target=server.run, name="test-server", daemon=True)
     thread.start()
     url = None
-    for _ in range(600):  # at most 600 x 0.05 s
-        if server.state.address is not None and server.state.status == "ready":
-            url = server.state.address
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                break
-        if not thread.is_alive() or server.state.status == "failed":
+    deadline = time.monotonic() + HANG_GUARD_S
+    while thread.is_alive() and server.state.status != "failed" and time.monotonic() < deadline:
+        address = server.state.address
+        ready = address is not None and server.state.status == "ready"
+        if ready and httpx.get(f"{address}/health", timeout=HANG_GUARD_S).status_code == 200:
+            url = address
             break
         time.sleep(0.05)
-    else:
-        url = None
+    timed_out = url is None and time.monotonic() >= deadline
     try:
-        assert url is not None, "the test server did not become ready"
+        assert not timed_out, hang("the test server becoming ready")
+        assert url is not None, f"the test server did not become ready: {server.state.status}"
         yield RunningServer(url, server, thread)
     finally:
         server.should_exit = True
-        thread.join(timeout=30)
-        assert not thread.is_alive(), "the test server did not stop"
+        thread.join(timeout=HANG_GUARD_S)
+        assert not thread.is_alive(), hang("the test server stopping")

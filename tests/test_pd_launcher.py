@@ -18,6 +18,7 @@ import httpx
 import pytest
 from rich.console import Console
 
+from tests.waiting import HANG_GUARD_S, wait_until
 from thermostat.cli import main
 from thermostat.disagg import launcher
 from thermostat.disagg.launcher import (
@@ -25,6 +26,7 @@ from thermostat.disagg.launcher import (
     LaunchError,
     Plan,
     free_ports,
+    is_ready,
     serve_argv,
     start,
     stop,
@@ -44,6 +46,12 @@ port = int(args[args.index("--port") + 1])
 role = args[args.index("--disaggregation-mode") + 1]
 print("argv", json.dumps(args), flush=True)
 time.sleep(float(os.environ.get("FAKE_DELAY_" + role.upper(), "0")))
+await_port = int(os.environ.get("FAKE_AWAIT_" + role.upper(), "0"))  # until that port listens
+while await_port:
+    with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", await_port)) == 0:
+            break
+    time.sleep(0.05)
 if "FAKE_EXIT_" + role.upper() in os.environ:
     print("boom: the", role, "model did not load", flush=True)
     sys.exit(int(os.environ["FAKE_EXIT_" + role.upper()]))
@@ -91,12 +99,13 @@ def py(code: str) -> list[str]:
     return [sys.executable, "-c", code]
 
 
-def health_child(tmp_path: Path, name: str, delay_s: float = 0.0) -> Child:
-    """A child that serves GET /health with 200 after `delay_s`."""
+def health_child(tmp_path: Path, name: str, gate: Path | None = None) -> Child:
+    """A child that serves GET /health with 200; with a `gate`, only once that file exists."""
     (port,) = free_ports(1)
     code = (
-        "import http.server, time\n"
-        f"time.sleep({delay_s})\n"
+        "import http.server, os, time\n"
+        f"while {str(gate or '')!r} and not os.path.exists({str(gate or '')!r}):\n"
+        "    time.sleep(0.02)\n"
         "class H(http.server.BaseHTTPRequestHandler):\n"
         "    def do_GET(self):\n"
         "        self.send_response(200); self.send_header('Content-Length', '0')\n"
@@ -206,17 +215,9 @@ def test_smg_accepts_the_command_and_stays_up_without_workers(tmp_path):
         smg_command(cfg, SMG), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        up = False
-        for _ in range(60):  # at most ~15 s
-            if proc.poll() is not None:
-                break
-            try:
-                up = httpx.get(f"http://127.0.0.1:{cfg.port}/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                up = False
-            if up:
-                break
-            time.sleep(0.25)
+        health = f"http://127.0.0.1:{cfg.port}/health"
+        wait_until(lambda: proc.poll() is not None or is_ready(health), "smg answering /health")
+        up = proc.poll() is None
         ready = httpx.get(f"http://127.0.0.1:{cfg.port}/readiness", timeout=2) if up else None
         time.sleep(3)  # past the worker startup timeout: still up
         alive = proc.poll() is None
@@ -236,15 +237,23 @@ def test_smg_accepts_the_command_and_stays_up_without_workers(tmp_path):
 
 
 def test_wait_ready_returns_once_all_answer_and_reports_who_is_pending(tmp_path):
-    fast, slow = health_child(tmp_path, "fast"), health_child(tmp_path, "slow", delay_s=1.0)
+    """ "slow" answers only after wait_ready has reported it pending alone: the order is made by
+    the test, not by a sleep in the child."""
+    gate = tmp_path / "slow.gate"
+    fast, slow = health_child(tmp_path, "fast"), health_child(tmp_path, "slow", gate=gate)
     seen: list[list[str]] = []
+
+    def on_wait(pending: list[Child], elapsed_s: float) -> None:
+        seen.append([c.name for c in pending])
+        if seen[-1] == ["slow"]:
+            gate.touch()
+
     try:
-        wait_ready(
-            [fast, slow], timeout_s=15, on_wait=lambda p, t: seen.append([c.name for c in p])
-        )
+        wait_ready([fast, slow], timeout_s=HANG_GUARD_S, on_wait=on_wait)
     finally:
         stop([fast, slow], grace_s=5)
     assert seen and seen[-1] == ["slow"]
+    assert all(names in (["fast", "slow"], ["slow"]) for names in seen), seen
 
 
 def test_wait_ready_reports_a_child_that_exits_with_its_log(tmp_path):
@@ -255,7 +264,7 @@ def test_wait_ready_reports_a_child_that_exits_with_its_log(tmp_path):
         tmp_path,
     )
     with pytest.raises(LaunchError, match="decode exited with status 3") as info:
-        wait_ready([child], timeout_s=15)
+        wait_ready([child], timeout_s=HANG_GUARD_S)
     assert info.value.child is child
     assert "boom: no model" in child.tail()
 
@@ -265,20 +274,21 @@ def test_wait_ready_watches_the_running_children_too(tmp_path):
     running = start("prefill", py("raise SystemExit(1)"), "http://127.0.0.1:9/", tmp_path)
     try:
         with pytest.raises(LaunchError, match="prefill exited with status 1"):
-            wait_ready([waiting], timeout_s=15, running=[running])
+            wait_ready([waiting], timeout_s=HANG_GUARD_S, running=[running])
     finally:
         stop([waiting], grace_s=5)
 
 
 def test_wait_ready_is_bounded(tmp_path):
-    child = start("decode", py("import time; time.sleep(30)"), "http://127.0.0.1:9/", tmp_path)
-    t0 = time.monotonic()
+    """It gives up on a child that never answers while that child still runs: bounded by its
+    timeout, not by the child's life."""
+    child = start("decode", py("import time; time.sleep(600)"), "http://127.0.0.1:9/", tmp_path)
     try:
         with pytest.raises(LaunchError, match="decode not ready after"):
             wait_ready([child], timeout_s=0.5)
+        assert child.proc.poll() is None
     finally:
         stop([child], grace_s=5)
-    assert time.monotonic() - t0 < 5
 
 
 def test_stop_sends_sigterm_then_kills_the_process_group(tmp_path):
@@ -291,31 +301,23 @@ def test_stop_sends_sigterm_then_kills_the_process_group(tmp_path):
         "time.sleep(30)\n"
     )
     stubborn = start("stubborn", py(stubborn_code), "http://127.0.0.1:9/", tmp_path)
-    for _ in range(100):  # the grandchild's pid is in the log
-        if stubborn.tail().strip():
-            break
-        time.sleep(0.05)
+    wait_until(lambda: stubborn.tail().strip() != "", "the grandchild's pid in the log")
     grandchild = int(stubborn.tail().strip())
-    t0 = time.monotonic()
     stop([polite, stubborn], grace_s=0.5)
-    assert time.monotonic() - t0 < 5
+    # Both would run 30 s: these exit statuses say stop ended them, and how.
     assert polite.proc.returncode == -signal.SIGTERM
     assert stubborn.proc.returncode == -signal.SIGKILL
     assert stubborn.exit_reason() == "stubborn was killed by SIGKILL"
-    assert not _alive(grandchild)
+    wait_until(lambda: not _running(grandchild), "the grandchild to end after the group's SIGKILL")
 
 
-def _alive(pid: int) -> bool:
+def _running(pid: int) -> bool:
     """Running (a zombie waiting for a reaper does not count)."""
-    for _ in range(40):
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return False
-        if state == "Z":
-            return False
-        time.sleep(0.05)
-    return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 # --- launch, end to end with fake servers ----------------------------------------------------
@@ -324,16 +326,18 @@ def _alive(pid: int) -> bool:
 def test_a_server_that_fails_to_load_stops_everything_with_its_log(
     tmp_path, fake_server, monkeypatch
 ):
+    ports = free_ports(5)
     monkeypatch.setenv("FAKE_EXIT_DECODE", "3")
-    monkeypatch.setenv("FAKE_DELAY_DECODE", "1")  # prefill is up (and traps SIGTERM) by then
+    # decode fails once prefill listens, so prefill traps SIGTERM by then
+    monkeypatch.setenv("FAKE_AWAIT_DECODE", str(ports[2]))
     sigterm_before = signal.getsignal(signal.SIGTERM)
     plan = Plan(
         model="/models/m",
-        router=router_config(free_ports(5)),
+        router=router_config(ports),
         smg="/bin/false",  # never started: decode fails first
         log_dir=tmp_path / "logs",
         server_cmd=(sys.executable, str(fake_server)),
-        startup_timeout_s=15,
+        startup_timeout_s=HANG_GUARD_S,
         stop_grace_s=5,
     )
     out = io.StringIO()
@@ -368,7 +372,7 @@ def test_launch_serves_through_smg_and_stops_the_router_first(tmp_path, fake_ser
         "p = json.loads(sys.argv[1])\n"
         "plan = Plan(model='/models/m', router=RouterConfig(**p['router']), smg=p['smg'],\n"
         "    log_dir=Path(p['log_dir']), server_cmd=(sys.executable, p['fake']),\n"
-        "    serve_args=('--max-num-seqs', '8'), startup_timeout_s=20, stop_grace_s=10)\n"
+        "    serve_args=('--max-num-seqs', '8'), startup_timeout_s=p['guard'], stop_grace_s=10)\n"
         "sys.exit(launch(plan, Console(stderr=True, width=300)))\n"
     )
     params = {
@@ -376,38 +380,38 @@ def test_launch_serves_through_smg_and_stops_the_router_first(tmp_path, fake_ser
         "smg": SMG,
         "log_dir": str(tmp_path / "logs"),
         "fake": str(fake_server),
+        "guard": HANG_GUARD_S,
     }
     env = {**os.environ, "FAKE_ROUTER_PORT": str(ports[0]), "FAKE_DELAY_DECODE": "0.5"}
     env["PYTHONPATH"] = os.pathsep.join(
         [str(Path(launcher.__file__).parents[2]), env.get("PYTHONPATH", "")]
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", driver, json.dumps(params)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    stderr = tmp_path / "pd.err"
+    with stderr.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", driver, json.dumps(params)],
+            stdout=subprocess.DEVNULL,
+            stderr=out,
+            text=True,
+            env=env,
+        )
     url = f"http://127.0.0.1:{ports[0]}"
     try:
+        # the last of the ready lines: everything is up and said so
+        wait_until(
+            lambda: "Ctrl-C stops" in stderr.read_text() or proc.poll() is not None,
+            "`pd` saying it is ready",
+        )
         models = None
-        for _ in range(120):  # at most ~30 s
-            if proc.poll() is not None:
-                break
-            try:
-                if httpx.get(f"{url}/readiness", timeout=1).status_code == 200:
-                    models = httpx.get(f"{url}/v1/models", timeout=2).json()
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        time.sleep(0.5)  # let it print the ready lines
+        if proc.poll() is None:
+            models = httpx.get(f"{url}/v1/models", timeout=60).json()
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
+        proc.wait(timeout=HANG_GUARD_S)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.wait()
+    err = stderr.read_text()
     assert models is not None, err[-3000:]
     assert [m["id"] for m in models["data"]] == ["fake-model"]
     assert proc.returncode == 0, err[-3000:]

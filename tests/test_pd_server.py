@@ -16,6 +16,7 @@ import torch
 
 from tests.conftest import write_model
 from tests.server_utils import RunningServer, running_server
+from tests.waiting import HANG_GUARD_S
 
 PROMPT = "The quick brown fox"
 GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
@@ -38,9 +39,7 @@ def pair(model_dir):
         running_server(
             model_dir, disaggregation_mode="prefill", bootstrap_port=0, block_size=16
         ) as prefill,
-        running_server(
-            model_dir, disaggregation_mode="decode", disaggregation_timeout_s=5, block_size=4
-        ) as decode,
+        running_server(model_dir, disaggregation_mode="decode", block_size=4) as decode,
     ):
         yield prefill, decode
 
@@ -68,7 +67,7 @@ def with_rooms(body: dict[str, Any], prefill: RunningServer, choices: int) -> di
 
 
 async def _both(prefill_url: str, decode_url: str, path: str, body: dict[str, Any]):
-    async with httpx.AsyncClient(timeout=30) as client:
+    async with httpx.AsyncClient(timeout=HANG_GUARD_S) as client:
         return await asyncio.gather(
             client.post(f"{prefill_url}{path}", json=body),
             client.post(f"{decode_url}{path}", json=body),
@@ -85,7 +84,7 @@ def pd_post(
 
 
 def single_post(single: RunningServer, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{single.url}{path}", json=body, timeout=30)
+    return httpx.post(f"{single.url}{path}", json=body, timeout=HANG_GUARD_S)
 
 
 def texts(response: httpx.Response) -> list[str]:
@@ -202,13 +201,17 @@ def test_halves_with_other_kv_dtype_are_refused(model_dir, pair):
     assert d.status_code == 409 and "KV cache" in d.json()["error"]["message"]
 
 
-def test_a_room_that_never_comes_times_out(pair):
-    prefill, decode = pair
+def test_a_room_that_never_comes_times_out(model_dir, pair):
+    """A decode of its own with a 1 s wait: the pair's decode waits its default 60 s, a hang
+    guard for the rooms that do come."""
+    prefill, _ = pair
     body = with_rooms({"prompt": PROMPT} | GREEDY, prefill, 1)  # the prefill never gets it
-    response = httpx.post(f"{decode.url}/v1/completions", json=body, timeout=30)
+    with running_server(model_dir, disaggregation_mode="decode", disaggregation_timeout_s=1) as d:
+        response = httpx.post(f"{d.url}/v1/completions", json=body, timeout=HANG_GUARD_S)
+        usage = kv_usage(d)
     assert response.status_code == 504
     assert response.json()["error"]["code"] == "prefill_timeout"
-    assert kv_usage(decode) == 0.0
+    assert usage == 0.0
 
 
 def test_no_prefill_listening_is_a_clean_502(pair, single):

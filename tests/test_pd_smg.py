@@ -25,12 +25,14 @@ import torch
 
 from tests.conftest import write_model
 from tests.server_utils import running_server
+from tests.waiting import HANG_GUARD_S, hang
 from thermostat.disagg.router import RouterConfig, find_smg, smg_command
 
 REPO = Path(__file__).resolve().parent.parent
 SMG = find_smg()
 pytestmark = pytest.mark.skipif(SMG is None, reason="smg is not installed (pip install smg)")
 GREEDY = {"temperature": 0.0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+PD_WAIT_S = "60"  # each half's wait for the other: a hang guard, nothing here waits it out
 
 
 def free_port() -> int:
@@ -39,15 +41,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
+def wait_for(url: str, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + HANG_GUARD_S
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"{url} exited:\n{log.read_text()[-3000:]}"
         with contextlib.suppress(httpx.TransportError):
             if httpx.get(url, timeout=2).status_code == 200:
                 return
         time.sleep(0.2)
-    raise AssertionError(f"{url} not ready in {timeout_s} s:\n{log.read_text()[-3000:]}")
+    raise AssertionError(f"{hang(url + ' ready')}:\n{log.read_text()[-3000:]}")
 
 
 @dataclass
@@ -109,13 +111,13 @@ def pd_topology(model_dir: Path, logs: Path, *flags: str) -> Iterator[Topology]:
     boot, pp, dp, rp = free_port(), free_port(), free_port(), free_port()
     prefill = Worker(
         serve_argv(model_dir, pp, "--disaggregation-mode", "prefill",
-                   "--disaggregation-bootstrap-port", str(boot), "--disaggregation-timeout", "10",
-                   *flags),
+                   "--disaggregation-bootstrap-port", str(boot),
+                   "--disaggregation-timeout", PD_WAIT_S, *flags),
         pp, logs / "prefill.log",
     )  # fmt: skip
     decode = Worker(
         serve_argv(model_dir, dp, "--disaggregation-mode", "decode",
-                   "--disaggregation-timeout", "10", *flags),
+                   "--disaggregation-timeout", PD_WAIT_S, *flags),
         dp, logs / "decode.log",
     )  # fmt: skip
     config = RouterConfig(
@@ -135,7 +137,7 @@ def pd_topology(model_dir: Path, logs: Path, *flags: str) -> Iterator[Topology]:
             router = subprocess.Popen(
                 smg_command(config, SMG or "smg"), stdout=log, stderr=subprocess.STDOUT
             )
-        wait_for(f"http://127.0.0.1:{rp}/readiness", router, router_log, timeout_s=60)
+        wait_for(f"http://127.0.0.1:{rp}/readiness", router, router_log)
         yield Topology(prefill, decode, f"http://127.0.0.1:{rp}")
     finally:
         for proc in [router, *(w.proc for w in workers)]:
@@ -233,9 +235,9 @@ def stream_until_broken(client: openai.OpenAI, kill, timeout_s: float = 30) -> t
     return time.monotonic() - killed_at, ended
 
 
-def wait_routed(client: openai.OpenAI, timeout_s: float = 60):
+def wait_routed(client: openai.OpenAI):
     """Send until the router answers with something other than 'no worker'; the last answer."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + HANG_GUARD_S
     while True:
         try:
             return completion_texts(client, prompt="back?", **GREEDY)
@@ -252,7 +254,7 @@ def test_killed_decode_then_restarted_with_other_defaults_then_recovered(topolog
     client = topology.client()
     decode = topology.decode
     seconds, ended = stream_until_broken(client, decode.kill)
-    assert ended != "hung" and seconds < 30, ended
+    assert ended != "hung" and seconds < 30, f"hang guard: {ended} {seconds:.0f} s after the kill"
     assert topology.prefill.kv_usage() == 0.0
 
     decode.start("--sampling-defaults", "top_p=0.9")  # one half restarted with new defaults
@@ -275,7 +277,7 @@ def test_killed_prefill_ends_the_decode_wait_cleanly_and_recovers(topology, sing
     start = time.monotonic()
     with pytest.raises((openai.APIStatusError, openai.APIConnectionError)):
         completion_texts(client, prompt="nobody prefills this", **GREEDY)
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 30, "hang guard: the decode waited on a dead prefill"
     assert topology.decode.kv_usage() == 0.0
     prefill.start()
     assert wait_routed(client) == completion_texts(single, prompt="back?", **GREEDY)

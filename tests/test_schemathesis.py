@@ -9,7 +9,6 @@ removed `Item._nodeid`), so each operation's case strategy is driven by hypothes
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 
 import hypothesis
@@ -27,18 +26,18 @@ from tests.server_utils import running_server
 # n x prompts x the context), 0.2-0.5 s here; an invalid one costs ~10 ms.
 MAX_EXAMPLES = {GenerationMode.POSITIVE: 90, GenerationMode.NEGATIVE: 220}
 MIN_REQUESTS = {GenerationMode.POSITIVE: 300, GenerationMode.NEGATIVE: 800}
-BUDGET_S = 120.0  # per mode, a bound on the loop over operations
+REQUEST_GUARD_S = 120.0  # a hang guard on one request: far above what any case takes
 
 
 @pytest.fixture(scope="module")
 def api_schema(tmp_path_factory):
     model = write_model(tmp_path_factory.mktemp("fuzz"), "llama")
     with running_server(model, max_model_len=MAX_MODEL_LEN, cpu_kernels=False) as server:
-        yield schemathesis.openapi.from_url(f"{server.url}/openapi.json", timeout=30)
+        yield schemathesis.openapi.from_url(f"{server.url}/openapi.json", timeout=REQUEST_GUARD_S)
 
 
 def check(case: Case) -> None:
-    response = case.call(timeout=60)
+    response = case.call(timeout=REQUEST_GUARD_S)
     assert response.status_code < 500, response.text[:300]
     if response.status_code >= 400:
         content_type = response.headers.get("content-type", [""])[0]
@@ -58,9 +57,7 @@ def test_fuzzed_requests_get_no_5xx_and_openai_errors(api_schema, mode):
         phases=[Phase.explicit, Phase.generate],  # no shrinking: a failure is reported as found
         suppress_health_check=list(HealthCheck),
     )
-    deadline = time.monotonic() + BUDGET_S
-    for result in api_schema.get_all_operations():
-        assert time.monotonic() < deadline, f"fuzzing took over {BUDGET_S:.0f} s: {dict(sent)}"
+    for result in api_schema.get_all_operations():  # bounded by count: operations x examples
         operation = result.ok()
 
         @fuzz_settings

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 
 import httpx
 import pytest
@@ -16,6 +15,7 @@ import torch
 
 from tests.conftest import hf_model, write_model
 from tests.server_utils import running_server
+from tests.waiting import wait_until
 
 CHAT = [{"role": "user", "content": "It was the best of times"}]
 CASE_GENERATION_CONFIG = {"temperature": 0.6, "top_p": 0.95, "eos_token_id": 0}
@@ -37,17 +37,6 @@ def server(model_dir):
 @pytest.fixture(scope="module")
 def client(server):
     return server.client()
-
-
-def wait_until(condition, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    for _ in range(int(timeout_s / 0.02) + 1):
-        if condition():
-            return True
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
-    return condition()
 
 
 def idle(server) -> bool:
@@ -184,7 +173,7 @@ def test_sixteen_concurrent_streams_finish(server):
         reason == "length" and sampling["effective"]["max_tokens"] == 8
         for reason, sampling in results
     )
-    assert wait_until(lambda: idle(server))
+    wait_until(lambda: idle(server), "the engine going idle")
 
 
 def request_lines(caplog) -> list[dict]:
@@ -203,15 +192,15 @@ def test_client_disconnect_aborts_and_frees_blocks(server, caplog):
         for line in r.iter_lines():
             if '"text"' in line:
                 break  # leave mid-stream
-    assert wait_until(lambda: idle(server)), "stream abort did not free the KV blocks"
-    assert wait_until(lambda: len(request_lines(caplog)) == 1)
+    wait_until(lambda: idle(server), "the stream's abort freeing the KV blocks")
+    wait_until(lambda: len(request_lines(caplog)) == 1, "the aborted stream's request line")
     line = request_lines(caplog)[0]
     assert line["status"] == "aborted" and line["completion_tokens"] < 500
 
     with pytest.raises(httpx.ReadTimeout):  # non-streaming: the client gives up waiting
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.2)
-    assert wait_until(lambda: idle(server)), "non-stream abort did not free the KV blocks"
-    assert wait_until(lambda: len(request_lines(caplog)) == 2)
+    wait_until(lambda: idle(server), "the non-stream abort freeing the KV blocks")
+    wait_until(lambda: len(request_lines(caplog)) == 2, "the aborted request's request line")
     line = request_lines(caplog)[1]
     assert line["status"] == "aborted" and line["completion_tokens"] < 500
     server.engine.blocks.check_integrity()

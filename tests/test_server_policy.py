@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import write_model
 from tests.server_utils import running_server
+from tests.waiting import HANG_GUARD_S, hang
 from thermostat.sampling import Policy
 from thermostat.sampling.spec import parse_sampling_spec
 
@@ -123,7 +124,7 @@ def test_max_queue_503_with_retry_after(llama_dir, monkeypatch):
         real_step = s.engine.step
 
         def held_step():
-            gate.wait(30)
+            assert gate.wait(HANG_GUARD_S), hang("the test opening the gate")
             return real_step()
 
         monkeypatch.setattr(s.engine, "step", held_step)
@@ -134,14 +135,20 @@ def test_max_queue_503_with_retry_after(llama_dir, monkeypatch):
         ):
             assert held.status_code == 200  # queued: its add was applied, stats published
             try:
-                r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+                r = httpx.post(
+                    f"{s.url}/v1/completions",
+                    json={"prompt": "x", "max_tokens": 1},
+                    timeout=HANG_GUARD_S,
+                )
                 assert r.status_code == 503
                 assert r.headers["retry-after"] == "1"
                 assert r.json()["error"]["code"] == "queue_full"
             finally:
                 gate.set()
             assert '"finish_reason":"length"' in held.read().decode()
-        ok = httpx.post(f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        ok = httpx.post(
+            f"{s.url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=HANG_GUARD_S
+        )
         assert ok.status_code == 200
 
 
