@@ -19,7 +19,7 @@ from tests.test_handoff import run as run_group
 from thermostat import LLM, SamplingParams, kernels
 from thermostat.models.deepseek import DeepseekArch
 from thermostat.models.kv_cache import CacheComponent
-from thermostat.models.llama import MLP
+from thermostat.models.layers import MLP
 from thermostat.models.moe import MoEArch, SparseMoE, expert_target
 from thermostat.models.weights import ParameterFiller
 from thermostat.random_model import MOE_CONFIGS, write_model

@@ -11,7 +11,7 @@ import torch
 
 from thermostat import kernels
 from thermostat.engine.loader import ModelLoadError, load_model
-from thermostat.models import llama
+from thermostat.models import layers, llama
 from thermostat.models.kv_cache import CacheComponent, KVCacheSpec, PagedKVCache
 from thermostat.models.registry import ARCHITECTURES, model_class
 
@@ -39,6 +39,14 @@ def test_models_import_no_upper_layer():
     for path in files:
         bad = [m for m in imported_modules(path) if m.startswith(UPPER_LAYERS)]
         assert not bad, f"{path.relative_to(MODELS_DIR)} imports {bad}"
+
+
+def test_a_family_imports_layers_not_another_family():
+    families = {f"thermostat.models.{name}" for name in ("llama", "deepseek")}
+    for path in sorted(MODELS_DIR.glob("*.py")):
+        if path.stem != "registry":
+            bad = {m for m in imported_modules(path) if m in families}
+            assert not bad, f"{path.name} imports {bad}"
 
 
 def test_registry_is_the_list_of_served_architectures(tmp_path):
@@ -90,14 +98,14 @@ def test_one_component_cache_round_trip(dtype):
 def test_layers_choose_each_op_once_when_built():
     """Without the kernels every op is its PyTorch reference; with them, the compiled op where
     the shapes and the cache layout allow it."""
-    assert llama.RMSNorm(64, 1e-6, None)._norm is llama._rms_norm
+    assert layers.RMSNorm(64, 1e-6, None)._norm is layers._rms_norm
     plain = PagedKVCache(KVCacheSpec.key_value(1, 2, 64, 4, torch.float32), 2, torch.float32)
     assert plain._decode == plain._decode_sdpa and plain._write == plain._write_torch
     ops = kernels.ops()
     if ops is None:
         pytest.skip(f"CPU kernels {kernels.status()}")
-    assert llama.RMSNorm(64, 1e-6, ops)._norm == ops.rms_norm
-    assert llama.RMSNorm(24, 1e-6, ops)._norm is llama._rms_norm  # dim % 16 != 0
+    assert layers.RMSNorm(64, 1e-6, ops)._norm == ops.rms_norm
+    assert layers.RMSNorm(24, 1e-6, ops)._norm is layers._rms_norm  # dim % 16 != 0
     bf16 = KVCacheSpec.key_value(1, 2, 64, 4, torch.bfloat16)
     mixed = PagedKVCache(bf16, 2, torch.float32, ops)  # a bf16 cache under a float32 model
     assert mixed._decode == mixed._decode_sdpa and mixed._write == mixed._write_torch

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,12 +32,11 @@ from torch import nn
 
 from thermostat.kernels import CpuOps
 from thermostat.models.kv_cache import CacheComponent, KVCacheSpec
-from thermostat.models.linear import pack_linears
-from thermostat.models.llama import MLP, DecoderStack, PreNormLayer, RMSNorm
+from thermostat.models.layers import MLP, DecoderStack, PreNormLayer
 from thermostat.models.mla import MLAArch, MLAttention
-from thermostat.models.moe import MoEArch, SparseMoE, expert_target, keep_routers_float32
+from thermostat.models.moe import MoEArch, SparseMoE, expert_target
 from thermostat.models.rope import RotaryEmbedding, rope_parameters
-from thermostat.models.weights import Index, ParameterFiller
+from thermostat.models.weights import Index
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -136,24 +135,19 @@ def _moe_arch(config: PretrainedConfig, v3: bool) -> MoEArch | None:
     )
 
 
-class DecoderLayer(PreNormLayer):
-    self_attn: MLAttention
-
-    def __init__(self, arch: DeepseekArch, layer: int, ops: CpuOps | None) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.self_attn = MLAttention(arch.mla, layer, ops)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.mlp: nn.Module
-        if arch.moe is not None and arch.is_moe_layer(layer):
-            size = arch.moe.shared_intermediate_size
-            shared = MLP(arch.hidden_size, size, arch.mlp_bias, ops) if size else None
-            self.mlp = SparseMoE(arch.moe, arch.hidden_size, ops, shared)
-        else:
-            self.mlp = MLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, ops)
+def _layer(arch: DeepseekArch, layer: int, ops: CpuOps | None) -> PreNormLayer:
+    mlp: nn.Module
+    if arch.moe is not None and arch.is_moe_layer(layer):
+        size = arch.moe.shared_intermediate_size
+        shared = MLP(arch.hidden_size, size, arch.mlp_bias, ops) if size else None
+        mlp = SparseMoE(arch.moe, arch.hidden_size, ops, shared)
+    else:
+        mlp = MLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, ops)
+    attn = MLAttention(arch.mla, layer, ops)
+    return PreNormLayer(arch.hidden_size, arch.rms_norm_eps, attn, mlp, ops)
 
 
-class DeepseekModel(DecoderStack):
+class DeepseekModel(DecoderStack[DeepseekArch]):
     """A thermostat.models.registry.CausalLM for DeepseekV2ForCausalLM and
     DeepseekV3ForCausalLM checkpoints."""
 
@@ -165,16 +159,8 @@ class DeepseekModel(DecoderStack):
         max_positions: int,
         ops: CpuOps | None = None,
     ) -> None:
-        super().__init__()
-        self.arch = arch
-        self.ops = ops
-        a = arch
-        self._build_ends(a.vocab_size, a.hidden_size, a.rms_norm_eps, a.tie_word_embeddings, ops)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, ops) for i in range(arch.num_layers))
-        self.rotary = RotaryEmbedding(config, arch.mla.qk_rope_head_dim, max_positions, dtype)
-        self.to(dtype)
-        keep_routers_float32(self)
-        self.eval()
+        rotary = RotaryEmbedding(config, arch.mla.qk_rope_head_dim, max_positions, dtype)
+        super().__init__(arch, lambda i: _layer(arch, i, ops), rotary, dtype, ops)
 
     @classmethod
     def arch_from_config(cls, config: PretrainedConfig, architecture: str) -> DeepseekArch:
@@ -186,30 +172,26 @@ class DeepseekModel(DecoderStack):
         return KVCacheSpec(self.arch.num_layers, block_size, (latent,))
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Hugging Face names, per-expert or fused experts; gate/up fused at load. Layers past
-        num_hidden_layers (multi-token prediction) are skipped and logged. Raises ValueError
-        naming any missing, unexpected or misshapen parameter."""
-        filler = ParameterFiller(self)
+        """Per-expert or fused experts; gate/up fused at load. Layers past num_hidden_layers
+        (multi-token prediction) are skipped and logged."""
         skipped: set[int] = set()
-        for hf_name, tensor in tensors:
-            name = hf_name.removeprefix("model.")
-            layer = _LAYER.match(name)
-            if layer is not None and int(layer[1]) >= self.arch.num_layers:
-                skipped.add(int(layer[1]))
-                continue
-            if "rotary_emb" in name:
-                continue
-            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
-                continue  # tied: some checkpoints store the copy anyway
-            target, index = self._target(name)
-            filler.copy(target, tensor, index, hf_name)
-        filler.check_complete()
+
+        def main_layers() -> Iterator[tuple[str, torch.Tensor]]:
+            for hf_name, tensor in tensors:
+                layer = _LAYER.match(hf_name.removeprefix("model."))
+                if layer is not None and int(layer[1]) >= self.arch.num_layers:
+                    skipped.add(int(layer[1]))
+                else:
+                    yield hf_name, tensor
+
+        super().load_weights(main_layers())
         if skipped:
             log.info("checkpoint: skipped multi-token-prediction layers %s", sorted(skipped))
-        for layer_module in self.layers:
-            assert isinstance(layer_module, DecoderLayer)
-            layer_module.self_attn.finish_loading()
-        pack_linears(self, self.ops)
+
+    def _finish_loading(self) -> None:
+        for m in self.modules():
+            if isinstance(m, MLAttention):
+                m.finish_loading()
 
     def _target(self, name: str) -> tuple[str, Index]:
         moe = self.arch.moe

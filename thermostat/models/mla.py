@@ -42,7 +42,7 @@ from torch import nn
 from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata, prefill_runs
 from thermostat.models.kv_cache import PagedKVCache
-from thermostat.models.llama import RMSNorm
+from thermostat.models.layers import RMSNorm
 from thermostat.models.rope import apply_rotary
 
 

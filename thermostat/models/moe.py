@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from thermostat.kernels import CpuOps
+from thermostat.models.layers import Float32Module, silu_mul
 from thermostat.models.weights import Index
 
 
@@ -85,14 +86,8 @@ def route(
     return weights * moe.routed_scaling_factor, ids
 
 
-def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-class Router(nn.Module):
-    """Router logits in float32 (its parameters stay float32 whatever the model dtype: see
-    `keep_routers_float32`)."""
+class Router(Float32Module):
+    """Router logits in float32 (its parameters stay float32 whatever the model dtype)."""
 
     def __init__(self, moe: MoEArch, hidden_size: int) -> None:
         super().__init__()
@@ -115,7 +110,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(e, hidden_size, i))
         # The one choice of this op (the table in thermostat.kernels).
         compiled = ops if i % 16 == 0 else None
-        self._act = _silu_mul if compiled is None else compiled.silu_mul
+        self._act = silu_mul if compiled is None else compiled.silu_mul
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights, ids [T, top_k] -> sum over k of weight * expert(x) [T, H]."""
@@ -157,13 +152,6 @@ class SparseMoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y
-
-
-def keep_routers_float32(module: nn.Module) -> None:
-    """Back to float32 for every router under `module` (after a `module.to(dtype)`)."""
-    for m in module.modules():
-        if isinstance(m, Router):
-            m.float()
 
 
 _PER_EXPERT = re.compile(r"(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight")

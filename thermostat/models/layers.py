@@ -1,0 +1,213 @@
+"""The layer library every family builds on: RMSNorm, the SiLU-gated MLP (and its one
+`silu_mul`), the pre-norm decoder layer, and `DecoderStack` (embeddings, layers, final norm, LM
+head; the constructor tail and the checkpoint loop every family shares). A family module imports
+these, never another family."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Generic, Protocol, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from thermostat.kernels import CpuOps
+from thermostat.models.attention import AttentionMetadata
+from thermostat.models.kv_cache import PagedKVCache
+from thermostat.models.linear import pack_linears
+from thermostat.models.rope import RotaryEmbedding
+from thermostat.models.weights import Index, ParameterFiller
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm accumulating in float32 and rounding once (transformers rounds to the model dtype
+    once more before scaling: identical in float32, within an ulp in bfloat16). With `ops` the
+    input is [N, dim] rows; without, any shape ending in dim."""
+
+    def __init__(self, dim: int, eps: float, ops: CpuOps | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        # The one choice of this op (the table in thermostat.kernels).
+        compiled = ops if dim % 16 == 0 else None
+        self._norm = _rms_norm if compiled is None else compiled.rms_norm
+        self._add_norm = _add_rms_norm if compiled is None else compiled.add_rms_norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += x (in place, rounded to the dtype as `residual + x` is); returns
+        norm(residual)."""
+        return self._add_norm(x, residual, self.weight, self.eps)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def _add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    residual.add_(x)
+    return F.rms_norm(residual, weight.shape, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] (gate first) -> silu(gate) * up [..., I]: the reference of CpuOps.silu_mul."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP, gate and up fused into one projection (gate rows first)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, ops: CpuOps | None):
+        super().__init__()
+        self.intermediate = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        # The one choice of this op (the table in thermostat.kernels).
+        compiled = ops if self.intermediate % 16 == 0 else None
+        self._act = silu_mul if compiled is None else compiled.silu_mul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.down_proj(self._act(self.gate_up_proj(x)))
+        return y
+
+
+class PreNormLayer(nn.Module):
+    """A decoder layer's data flow, shared by the families: norm, attention, add + norm, MLP
+    (dense or MoE). `self_attn` is called as (h, cos, sin, meta, cache) -> [T, hidden]."""
+
+    def __init__(
+        self, hidden_size: int, eps: float, attn: nn.Module, mlp: nn.Module, ops: CpuOps | None
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden_size, eps, ops)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, ops)
+        self.mlp = mlp
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to `residual` (None before the first
+        layer, where x is the embedding). Returns (this layer's output, residual): the residual
+        stream is updated in place, each add fused with the norm that follows it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos, sin, meta, cache)
+        h = self.post_attention_layernorm.add_forward(h, residual)
+        y: torch.Tensor = self.mlp(h)
+        return y, residual
+
+
+class Float32Module(nn.Module):
+    """A module whose parameters stay float32 whatever the model dtype (a MoE router):
+    `DecoderStack` casts them back after its `.to(dtype)`."""
+
+
+class StackArch(Protocol):
+    """What `DecoderStack` reads of a family's arch."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def rms_norm_eps(self) -> float: ...
+    @property
+    def tie_word_embeddings(self) -> bool: ...
+
+
+A = TypeVar("A", bound=StackArch)
+
+
+class DecoderStack(nn.Module, Generic[A]):
+    """What every family's model shares: embeddings, a stack of layers that each take and
+    return (hidden, residual), the final add + norm, the LM head (tied to the embeddings when
+    the arch says so). A family passes its layers and rotary table, and maps checkpoint names
+    in `_target`."""
+
+    def __init__(
+        self,
+        arch: A,
+        layer: Callable[[int], nn.Module],
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        ops: CpuOps | None,
+    ) -> None:
+        """`layer(i)` builds layer i; `ops`: thermostat.kernels.ops() to run the ops it takes in
+        the compiled kernels, None for the pure-PyTorch path."""
+        super().__init__()
+        self.arch = arch
+        self.ops = ops
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.layers = nn.ModuleList(layer(i) for i in range(arch.num_layers))
+        self.rotary = rotary
+        self.to(dtype)
+        for m in self.modules():
+            if isinstance(m, Float32Module):
+                m.float()
+        self.eval()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
+        cos, sin = self.rotary.tables(positions)
+        x: torch.Tensor = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, meta, cache)
+        assert residual is not None  # set by the first layer
+        return self.norm.add_forward(x, residual)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits.float()
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hugging Face names (a `model.` prefix dropped, rotary tables and a tied LM head's copy
+        skipped) into the parameters `_target` names, then `_finish_loading` and the linears
+        packed. Raises ValueError naming any missing, unexpected or misshapen parameter."""
+        filler = ParameterFiller(self)
+        for hf_name, tensor in tensors:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.arch.tie_word_embeddings):
+                continue  # tied: some checkpoints store the copy anyway
+            param, index = self._target(name)
+            filler.copy(param, tensor, index, hf_name)
+        filler.check_complete()
+        self._finish_loading()
+        pack_linears(self, self.ops)
+
+    def _target(self, name: str) -> tuple[str, Index]:
+        """A checkpoint name (no `model.` prefix) -> (parameter name, index into it)."""
+        return name, ()
+
+    def _finish_loading(self) -> None:
+        """After every parameter is filled, before the linears are packed."""
