@@ -18,7 +18,7 @@ from tests.conftest import hf_greedy, hf_model
 from tests.test_handoff import run as run_group
 from thermostat import LLM, SamplingParams, kernels
 from thermostat.models.deepseek import DeepseekArch
-from thermostat.models.kv_cache import CacheComponent
+from thermostat.models.kv_spec import CacheComponent
 from thermostat.models.layers import MLP
 from thermostat.models.moe import MoEArch, SparseMoE, expert_target
 from thermostat.models.weights import ParameterFiller

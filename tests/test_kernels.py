@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from thermostat import kernels
 from thermostat.models.attention import AttentionMetadata
-from thermostat.models.kv_cache import KVCacheSpec, PagedKVCache
+from thermostat.models.kv_cache import PagedKVCache
+from thermostat.models.kv_spec import KVCacheSpec
 from thermostat.models.rope import apply_rotary
 
 ops = kernels.ops()

@@ -12,7 +12,8 @@ import torch
 from thermostat import kernels
 from thermostat.engine.loader import ModelLoadError, load_model
 from thermostat.models import layers, llama
-from thermostat.models.kv_cache import CacheComponent, KVCacheSpec, PagedKVCache
+from thermostat.models.kv_cache import PagedKVCache
+from thermostat.models.kv_spec import CacheComponent, KVCacheSpec
 from thermostat.models.registry import ARCHITECTURES, model_class
 
 MODELS_DIR = Path(llama.__file__).parent

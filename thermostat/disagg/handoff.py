@@ -31,7 +31,7 @@ from typing import Any
 from thermostat.disagg.bootstrap import Handoff
 from thermostat.engine.outputs import Prefilled
 from thermostat.engine.sampler import TokenLogprobs
-from thermostat.models.kv_cache import KVRows
+from thermostat.models.kv_spec import KVRows
 
 GENERATOR = "generator_state"
 

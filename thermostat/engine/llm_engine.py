@@ -25,7 +25,8 @@ from thermostat.engine.outputs import Prefilled, QueuedRequest, RequestDelta
 from thermostat.engine.request import Request
 from thermostat.engine.sampler import TokenLogprobs
 from thermostat.engine.scheduler import RunnerOutput, Scheduler, SchedulerConfig
-from thermostat.models.kv_cache import PagedKVCache, resolve_kv_dtype
+from thermostat.models.kv_cache import PagedKVCache
+from thermostat.models.kv_spec import resolve_kv_dtype
 from thermostat.sampling.fanout import Plan, plan
 from thermostat.sampling.params import SamplingParamError, SamplingParams
 from thermostat.sampling.resolve import SamplingDefaults, resolve

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from thermostat.engine.sampler import TokenLogprobs
-from thermostat.models.kv_cache import KVRows
+from thermostat.models.kv_spec import KVRows
 from thermostat.sampling.resolve import Resolution
 
 

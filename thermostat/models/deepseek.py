@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from thermostat.kernels import CpuOps
-from thermostat.models.kv_cache import CacheComponent, KVCacheSpec
+from thermostat.models.kv_spec import CacheComponent, KVCacheSpec
 from thermostat.models.layers import MLP, DecoderStack, PreNormLayer
 from thermostat.models.mla import MLAArch, MLAttention
 from thermostat.models.moe import MoEArch, SparseMoE, expert_target

@@ -15,7 +15,8 @@ from torch import nn
 
 from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata, paged_attention
-from thermostat.models.kv_cache import KVCacheSpec, PagedKVCache
+from thermostat.models.kv_cache import PagedKVCache
+from thermostat.models.kv_spec import KVCacheSpec
 from thermostat.models.layers import MLP, DecoderStack, PreNormLayer, RMSNorm
 from thermostat.models.moe import MoEArch, SparseMoE, expert_target
 from thermostat.models.rope import RotaryEmbedding, apply_rotary

@@ -17,7 +17,8 @@ import torch
 from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata
 from thermostat.models.deepseek import DeepseekModel
-from thermostat.models.kv_cache import KVCacheSpec, PagedKVCache
+from thermostat.models.kv_cache import PagedKVCache
+from thermostat.models.kv_spec import KVCacheSpec
 from thermostat.models.llama import LlamaFamilyModel
 
 if TYPE_CHECKING:
