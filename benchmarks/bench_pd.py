@@ -83,7 +83,7 @@ from thermostat.disagg.launcher import (
     wait_ready,
 )
 from thermostat.disagg.router import ROUTER_READY_PATH, RouterConfig, find_smg, smg_command
-from thermostat.engine.outputs import Prefilled
+from thermostat.engine.steps import Prefilled
 
 console = Console(stderr=True)
 MB = 1e6

@@ -11,7 +11,8 @@ import torch
 from tests.conftest import write_model
 from thermostat import LLM, SamplingParams
 from thermostat.engine.llm_engine import LLMEngine
-from thermostat.engine.outputs import Completion, Prefilled
+from thermostat.engine.outputs import Completion
+from thermostat.engine.steps import Prefilled
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11], list(range(40, 90)), [200, 201, 202, 203] * 9]
 MAX_STEPS = 10_000

@@ -14,8 +14,10 @@ from typing import Any
 import pytest
 
 from thermostat.engine.block_manager import BlockManager
+from thermostat.engine.config import SchedulerConfig
 from thermostat.engine.request import Request, RequestStatus
-from thermostat.engine.scheduler import RunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput
+from thermostat.engine.scheduler import Scheduler
+from thermostat.engine.steps import RunnerOutput, SchedulerOutput
 from thermostat.errors import InvalidRequest
 from thermostat.sampling.params import EffectiveParams
 

@@ -12,7 +12,7 @@ from rich.progress import Progress
 from thermostat.engine.config import EngineConfig
 from thermostat.engine.llm_engine import LLMEngine
 from thermostat.engine.outputs import Completion, QueuedRequest, RequestDelta
-from thermostat.engine.sampler import TokenLogprobs
+from thermostat.engine.steps import TokenLogprobs
 from thermostat.sampling.defaults import build_sampling_defaults
 from thermostat.sampling.params import SamplingParams
 from thermostat.sampling.resolve import Policy, Resolution

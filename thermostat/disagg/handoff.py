@@ -29,8 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from thermostat.disagg.bootstrap import Handoff
-from thermostat.engine.outputs import Prefilled
-from thermostat.engine.sampler import TokenLogprobs
+from thermostat.engine.steps import Prefilled, TokenLogprobs
 from thermostat.models.kv_spec import KVRows
 
 GENERATOR = "generator_state"

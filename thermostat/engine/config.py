@@ -1,4 +1,5 @@
-"""Engine settings, fixed at startup."""
+"""Engine settings, fixed at startup: `EngineConfig` holds the one set of defaults, the
+scheduler's part of it is derived (`SchedulerConfig.of`)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,22 @@ class EngineConfig:
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's settings: an EngineConfig's, with the model's resolved max_model_len."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int  # token budget of one step
+    max_model_len: int
+    enable_prefix_caching: bool
+
+    @classmethod
+    def of(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
+        return cls(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            max_model_len,
+            config.enable_prefix_caching,
+        )

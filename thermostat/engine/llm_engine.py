@@ -16,15 +16,15 @@ import torch
 
 from thermostat import kernels
 from thermostat.engine.block_manager import BlockManager
-from thermostat.engine.config import EngineConfig
+from thermostat.engine.config import EngineConfig, SchedulerConfig
 from thermostat.engine.constraint import ConstraintCompiler
 from thermostat.engine.loader import LoadedModel, load_model
 from thermostat.engine.model_runner import ModelRunner
 from thermostat.engine.output_text import OutputText
-from thermostat.engine.outputs import Prefilled, QueuedRequest, RequestDelta
+from thermostat.engine.outputs import QueuedRequest, RequestDelta
 from thermostat.engine.request import Request
-from thermostat.engine.sampler import TokenLogprobs
-from thermostat.engine.scheduler import RunnerOutput, Scheduler, SchedulerConfig
+from thermostat.engine.scheduler import Scheduler
+from thermostat.engine.steps import Prefilled, RunnerOutput, TokenLogprobs
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import resolve_kv_dtype
 from thermostat.sampling.fanout import Plan, plan
@@ -68,15 +68,8 @@ class LLMEngine:
         num_blocks = spec.num_blocks_for(int(config.kv_cache_memory_gb * 2**30))
         self.cache = PagedKVCache(spec, num_blocks, self.loaded.dtype, self.loaded.ops)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=self.loaded.max_model_len,
-                enable_prefix_caching=config.enable_prefix_caching,
-            ),
-            self.blocks,
-        )
+        scheduling = SchedulerConfig.of(config, self.loaded.max_model_len)
+        self.scheduler = Scheduler(scheduling, self.blocks)
         self.runner = ModelRunner(
             self.loaded.model, self.cache, config.block_size, arch.sliding_window
         )

@@ -7,13 +7,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from thermostat.engine.sampler import SamplingBatch, TokenLogprobs, sample_batch
-from thermostat.engine.scheduler import (
+from thermostat.engine.sampler import SamplingBatch, logprobs_of, sample_batch
+from thermostat.engine.steps import (
     KVPreload,
     NewRequestData,
     RunnerOutput,
     ScheduledChunk,
     SchedulerOutput,
+    TokenLogprobs,
 )
 from thermostat.models.attention import AttentionMetadata, PrefillSegment
 from thermostat.models.kv_cache import PagedKVCache
@@ -25,21 +26,6 @@ class RunnerRequest:
     data: NewRequestData
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
-
-
-def logprobs_of(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
-    """Logprobs of `targets` under each row of raw `logits` [N, V], with the top-k of each row."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    idx = torch.tensor(targets, dtype=torch.int64)[:, None]
-    chosen = lp.gather(1, idx)
-    ranks = ((lp > chosen).sum(-1) + 1).tolist()
-    top_lp, top_ids = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else (lp[:, :0], idx[:, :0])
-    return [
-        TokenLogprobs(t, c, r, list(zip(ti, tl, strict=True)))
-        for t, c, r, ti, tl in zip(
-            targets, chosen[:, 0].tolist(), ranks, top_ids.tolist(), top_lp.tolist(), strict=True
-        )
-    ]
 
 
 class ModelRunner:
@@ -124,7 +110,8 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[: last - chunk.start])
         targets = prompt[chunk.start + 1 : last + 1]
-        scored = logprobs_of(logits, targets, k)
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        scored = logprobs_of(lp, torch.tensor(targets, dtype=torch.int64), [k] * len(targets))
         return {chunk.start + 1 + i: lp for i, lp in enumerate(scored)}
 
     def _sampling_batch(self, chunks: list[ScheduledChunk]) -> SamplingBatch:

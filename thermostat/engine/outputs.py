@@ -5,10 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-from thermostat.engine.sampler import TokenLogprobs
-from thermostat.models.kv_spec import KVRows
+from thermostat.engine.steps import Prefilled, TokenLogprobs
 from thermostat.sampling.resolve import Resolution
 
 
@@ -20,19 +17,6 @@ class QueuedRequest:
     index: int  # in the group: prompt index * n + sample index
     prompt_token_ids: list[int]
     resolution: Resolution
-
-
-@dataclass(frozen=True)
-class Prefilled:
-    """A request's prompt computed and its first token sampled by one engine, for another to
-    continue from (prefill/decode disaggregation): what a handoff request's last delta carries
-    and what `LLMEngine.add_group(preloads=...)` takes."""
-
-    rows: KVRows  # every prompt token's cache rows, as stored
-    first_token: int
-    first_logprobs: TokenLogprobs | None  # when logprobs were asked for
-    generator_state: torch.Tensor | None  # the seeded generator after the first token
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # when asked for; [0] is None
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from thermostat.engine.block_manager import hash_block_tokens
 from thermostat.engine.constraint import Constraint
-from thermostat.engine.outputs import Prefilled
+from thermostat.engine.steps import Prefilled
 from thermostat.sampling.params import EffectiveParams
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from thermostat.engine.steps import SamplerOutput, TokenLogprobs
 from thermostat.sampling.fields import BATCH_FIELDS, FIELD
 from thermostat.sampling.params import EffectiveParams
 
@@ -202,20 +203,6 @@ class SamplingBatch:
         return cls(**columns, **rows)
 
 
-@dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float  # natural log, raw model distribution (after banning)
-    rank: int  # 1-based: 1 + number of tokens with a strictly larger logprob
-    top: list[tuple[int, float]]  # the k most likely (token_id, logprob), best first
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
-
-
 def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """Pick one token per row of ``logits`` [B, V] (any float dtype, upcast to float32).
 
@@ -289,19 +276,24 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         probs = torch.softmax(logits, dim=-1)
         token_ids[picked_idx] = sample_from_probs(probs, [batch.generators[i] for i in picked])
 
-    chosen = token_ids.tolist()
     logprobs: list[TokenLogprobs | None] = [None] * rows
     if raw_logprobs is not None:
         want = [(i, k) for i, k in enumerate(batch.num_logprobs) if k is not None]
         idx = index([i for i, _ in want])
-        lp = raw_logprobs[idx]  # [R, V]
-        chosen_lp = lp.gather(1, token_ids[idx][:, None])  # [R, 1]
-        ranks = ((lp > chosen_lp).sum(dim=-1) + 1).tolist()
-        max_k = min(max(k for _, k in want), vocab)
-        values, indices = lp.topk(max_k, dim=-1)  # sorted, best first
-        top_lp, top_ids, chosen_list = values.tolist(), indices.tolist(), chosen_lp[:, 0].tolist()
-        for j, (i, k) in enumerate(want):
-            n = min(k, vocab)
-            top = list(zip(top_ids[j][:n], top_lp[j][:n], strict=True))
-            logprobs[i] = TokenLogprobs(chosen[i], chosen_list[j], ranks[j], top)
-    return SamplerOutput(token_ids=chosen, logprobs=logprobs)
+        scored = logprobs_of(raw_logprobs[idx], token_ids[idx], [k for _, k in want])
+        for (i, _), lp in zip(want, scored, strict=True):
+            logprobs[i] = lp
+    return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+
+def logprobs_of(lp: torch.Tensor, targets: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
+    """Row i of `lp` [N, V] (a log_softmax of raw logits) scoring `targets[i]` ([N] int64), with
+    its `ks[i]` most likely alternatives, best first."""
+    chosen = lp.gather(1, targets[:, None])  # [N, 1]
+    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+    values, indices = lp.topk(min(max(ks, default=0), lp.shape[-1]), dim=-1)
+    columns = (targets.tolist(), chosen[:, 0].tolist(), ranks, indices.tolist(), values.tolist())
+    return [
+        TokenLogprobs(t, c, r, list(zip(ids[:k], lps[:k], strict=True)))
+        for t, c, r, ids, lps, k in zip(*columns, ks, strict=True)
+    ]

@@ -1,83 +1,28 @@
 """Continuous batching with a token budget, chunked prefill, prefix caching and preemption.
 
 A step is `schedule() -> SchedulerOutput`, `runner.execute(out) -> RunnerOutput`,
-`scheduler.update(out, result)`. Running requests are served first, in admission order; when
-blocks run out the most recently admitted running request is preempted (its blocks freed, its
-progress recomputed later). Waiting requests are admitted while budget, blocks and seats last.
+`scheduler.update(out, result)` (engine/steps.py). Running requests are served first, in
+admission order; when blocks run out the most recently admitted running request is preempted
+(its blocks freed, its progress recomputed later). Waiting requests are admitted while budget,
+blocks and seats last.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from thermostat.engine.block_manager import BlockManager
-from thermostat.engine.constraint import Bitmask, ConstraintError
-from thermostat.engine.outputs import Prefilled
+from thermostat.engine.config import SchedulerConfig
+from thermostat.engine.constraint import ConstraintError
 from thermostat.engine.request import Request, RequestStatus
-from thermostat.engine.sampler import TokenLogprobs
+from thermostat.engine.steps import (
+    KVPreload,
+    NewRequestData,
+    RunnerOutput,
+    ScheduledChunk,
+    SchedulerOutput,
+)
 from thermostat.errors import InvalidRequest
-from thermostat.sampling.params import EffectiveParams
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # token budget of one step
-    max_model_len: int = 2048
-    enable_prefix_caching: bool = True
-
-
-@dataclass
-class NewRequestData:
-    """What the runner keeps about a request from its first step until it finishes."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    params: EffectiveParams
-
-
-@dataclass
-class ScheduledChunk:
-    """Compute K/V for tokens [start, start + len(token_ids)) of one request."""
-
-    req_id: str
-    token_ids: list[int]
-    start: int
-    block_table: list[int]
-    sample: bool  # the request catches up this step: sample its next token
-    banned_token_ids: tuple[int, ...] = ()
-    allowed_tokens: Bitmask | None = None  # a constrained request's next token (engine/constraint)
-
-
-@dataclass
-class KVPreload:
-    """Another engine's prefill of a request admitted this step: the runner writes its rows into
-    the request's first slots and takes its first token as this step's sample."""
-
-    req_id: str
-    slots: list[int]
-    prefilled: Prefilled
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    new_requests: list[NewRequestData] = field(default_factory=list)
-    preloads: list[KVPreload] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)  # the runner may drop their state
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
-
-
-@dataclass
-class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    # prompt position -> logprobs of the prompt token at that position (position >= 1)
-    prompt_logprobs: dict[str, dict[int, TokenLogprobs]] = field(default_factory=dict)
 
 
 class Scheduler:

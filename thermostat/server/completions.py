@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from thermostat.api.protocol import CompletionChoice, CompletionResponse
-from thermostat.engine.sampler import TokenLogprobs
+from thermostat.engine.steps import TokenLogprobs
 from thermostat.server.logprobs import TokenText, completion_logprobs
 from thermostat.server.prompts import Prompt
 from thermostat.server.serving import Job

@@ -46,7 +46,7 @@ from thermostat.api.errors import APIError
 from thermostat.api.metrics import Metrics
 from thermostat.disagg.bootstrap import BootstrapServer, RoomError, RoomTable, claim
 from thermostat.disagg.handoff import disagreements, fingerprint, from_handoff, to_handoff
-from thermostat.engine.outputs import Prefilled
+from thermostat.engine.steps import Prefilled
 from thermostat.sampling.fanout import Plan
 from thermostat.server.serving import Job
 

@@ -7,7 +7,8 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from thermostat.engine.outputs import Prefilled, QueuedRequest, RequestDelta
+from thermostat.engine.outputs import QueuedRequest, RequestDelta
+from thermostat.engine.steps import Prefilled
 from thermostat.sampling.fanout import Plan
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from thermostat.engine.sampler import TokenLogprobs
+from thermostat.engine.steps import TokenLogprobs
 
 
 class TokenText:

@@ -25,8 +25,8 @@ from thermostat.api.errors import APIError, classify
 from thermostat.api.metrics import Metrics
 from thermostat.api.protocol import PromptTokensDetails, Usage
 from thermostat.api.responses import response_quality
-from thermostat.engine.outputs import Completion, Prefilled, RequestDelta
-from thermostat.engine.sampler import TokenLogprobs
+from thermostat.engine.outputs import Completion, RequestDelta
+from thermostat.engine.steps import Prefilled, TokenLogprobs
 from thermostat.quality import quality_report
 from thermostat.sampling import (
     GreedyRejected,
