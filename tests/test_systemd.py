@@ -1,4 +1,5 @@
-"""`thermostat systemd` unit files, their ExecStart quoting, and `notify` (sd_notify)."""
+"""`thermostat systemd` unit files, their ExecStart quoting, and `notify` (sd_notify, in
+thermostat.api.lifecycle)."""
 
 from __future__ import annotations
 
@@ -14,16 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from thermostat.api.lifecycle import notify
 from thermostat.cli import main
 from thermostat.disagg.launcher import serve_argv
 from thermostat.disagg.router import smg_command
-from thermostat.systemd import (
-    UnitsConfig,
-    notify,
-    render_units,
-    systemd_quote,
-    write_units,
-)
+from thermostat.systemd import UnitsConfig, render_units, systemd_quote, write_units
 
 # An executable that exists, for the units' binaries: systemd-analyze verify checks them.
 EXE = sys.executable
@@ -256,6 +252,6 @@ def test_notify_without_systemd_is_false(monkeypatch):
 
 def test_notify_to_a_missing_socket_warns_and_returns_false(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "gone.sock"))
-    with caplog.at_level(logging.WARNING, logger="thermostat.systemd"):
+    with caplog.at_level(logging.WARNING, logger="thermostat.server"):
         assert notify("READY=1") is False
     assert "gone.sock" in caplog.text

@@ -21,7 +21,7 @@ COMMANDS: dict[str, str] = {
     "analyze": "thermostat.quality.cli",
     "bench": "thermostat.commands.bench",
     "pd": "thermostat.disagg.launcher",
-    "systemd": "thermostat.systemd",
+    "systemd": "thermostat.commands.systemd",
     "gateway": "thermostat.gateway.command",
 }
 

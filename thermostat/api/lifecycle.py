@@ -1,4 +1,5 @@
-"""uvicorn, telling an app when it listens and when to drain; shared by `serve` and `gateway`.
+"""uvicorn, telling an app when it listens and when to drain, and `notify` to tell systemd;
+shared by `serve` and `gateway`.
 
 On SIGTERM (or SIGINT) the app drains: it keeps listening and answers 503 to every new request
 while the requests in flight finish (at most `drain_timeout_s`), then the sockets close and the
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import socket
 import sys
@@ -19,6 +21,8 @@ from typing import Protocol
 
 import uvicorn
 from fastapi import FastAPI
+
+log = logging.getLogger("thermostat.server")
 
 
 class Lifecycle(Protocol):
@@ -91,3 +95,22 @@ def serve_until_stopped(server: DrainingServer) -> int:
     )
     server.run()
     return 1 if server.lifecycle.status == "failed" else 0
+
+
+def notify(state: str) -> bool:
+    """sd_notify(3) without libsystemd: send `state` ("READY=1\\nSTATUS=...", "STOPPING=1") to
+    the socket in $NOTIFY_SOCKET. True if sent; False when not under systemd (no variable) or
+    when sending failed (logged as a warning). Never raises: readiness reporting must not take
+    a server down."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return False
+    if address.startswith("@"):  # the abstract namespace
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.sendto(state.encode(), address)
+    except (OSError, ValueError) as exc:  # ValueError: a state that does not encode
+        log.warning("sd_notify to %r failed: %s", os.environ.get("NOTIFY_SOCKET"), exc)
+        return False
+    return True

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from thermostat.api.defaults import DefaultsReport
+from thermostat.api.lifecycle import notify
 from thermostat.api.metrics import Metrics
 from thermostat.api.tool_parsers import ToolParser, marker_tokens, parser_for
 from thermostat.disagg.handoff import model_identity
@@ -30,7 +31,6 @@ from thermostat.server.disaggregation import DecodeRole, PrefillRole
 from thermostat.server.logprobs import TokenText
 from thermostat.server.prompts import PromptBuilder
 from thermostat.server.serving import Serving
-from thermostat.systemd import notify
 
 log = logging.getLogger("thermostat.server")
 
