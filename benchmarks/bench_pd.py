@@ -68,20 +68,17 @@ from rich.table import Table
 
 from thermostat import LLM, SamplingParams
 from thermostat.disagg.bootstrap import BootstrapServer, Handoff, RoomTable, claim
-from thermostat.disagg.handoff import from_handoff, to_handoff
-from thermostat.disagg.launcher import (
-    ROUTER_READY_TIMEOUT_S,
-    SERVER_CMD,
+from thermostat.disagg.children import (
     Child,
     LaunchError,
-    Plan,
     free_ports,
     local_url,
-    serve_argv,
     start,
     stop,
     wait_ready,
 )
+from thermostat.disagg.handoff import from_handoff, to_handoff
+from thermostat.disagg.launcher import ROUTER_READY_TIMEOUT_S, SERVER_CMD, Plan, serve_argv
 from thermostat.disagg.router import ROUTER_READY_PATH, RouterConfig, find_smg, smg_command
 from thermostat.engine.steps import Prefilled
 

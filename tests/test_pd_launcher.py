@@ -21,17 +21,16 @@ from rich.console import Console
 from tests.waiting import HANG_GUARD_S, wait_until
 from thermostat.cli import main
 from thermostat.disagg import launcher
-from thermostat.disagg.launcher import (
+from thermostat.disagg.children import (
     Child,
     LaunchError,
-    Plan,
     free_ports,
     is_ready,
-    serve_argv,
     start,
     stop,
     wait_ready,
 )
+from thermostat.disagg.launcher import Plan, serve_argv
 from thermostat.disagg.router import FAIL_FAST_FLAGS, RouterConfig, find_smg, smg_command
 
 SMG = find_smg()
