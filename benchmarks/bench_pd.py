@@ -67,7 +67,7 @@ from rich.console import Console
 from rich.table import Table
 
 from thermostat import LLM, SamplingParams
-from thermostat.disagg.bootstrap import BootstrapServer, Handoff, RoomTable, claim
+from thermostat.disagg.bootstrap import BootstrapServer, claim
 from thermostat.disagg.children import (
     Child,
     LaunchError,
@@ -79,6 +79,7 @@ from thermostat.disagg.children import (
 )
 from thermostat.disagg.handoff import from_handoff, to_handoff
 from thermostat.disagg.launcher import ROUTER_READY_TIMEOUT_S, SERVER_CMD, Plan, serve_argv
+from thermostat.disagg.rooms import Handoff, RoomTable
 from thermostat.disagg.router import ROUTER_READY_PATH, RouterConfig, find_smg, smg_command
 from thermostat.engine.steps import Prefilled
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from tests.waiting import HANG_GUARD_S, hang, until
-from thermostat.disagg.bootstrap import BootstrapServer, Handoff, RoomError, RoomTable, claim
+from thermostat.disagg.bootstrap import BootstrapServer, claim
+from thermostat.disagg.rooms import Handoff, RoomError, RoomTable
 from thermostat.disagg.wire import (
     ALIGN,
     MAGIC,

@@ -1,6 +1,6 @@
 """What a prefill hands a decode for one choice, and the check that both would serve it alike.
 
-One choice's handoff (`bootstrap.Handoff`) is a JSON header and named tensors:
+One choice's handoff (`rooms.Handoff`) is a JSON header and named tensors:
 
 | header key        | what                                                                      |
 |-------------------|---------------------------------------------------------------------------|
@@ -28,7 +28,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from thermostat.disagg.bootstrap import Handoff
+from thermostat.disagg.rooms import Handoff
 from thermostat.engine.steps import Prefilled, TokenLogprobs
 from thermostat.models.kv_spec import KVRows
 

@@ -44,8 +44,9 @@ from starlette.requests import Request
 from thermostat.api.disconnect import ClientGone, until_disconnected
 from thermostat.api.errors import APIError
 from thermostat.api.metrics import Metrics
-from thermostat.disagg.bootstrap import BootstrapServer, RoomError, RoomTable, claim
+from thermostat.disagg.bootstrap import BootstrapServer, claim
 from thermostat.disagg.handoff import disagreements, fingerprint, from_handoff, to_handoff
+from thermostat.disagg.rooms import RoomError, RoomTable
 from thermostat.engine.steps import Prefilled
 from thermostat.sampling.fanout import Plan
 from thermostat.server.serving import Job
