@@ -153,10 +153,7 @@ class LLMEngine:
     def _add(self, item: QueuedRequest, handoff: bool, preload: Prefilled | None) -> None:
         eff = item.resolution.effective
         if preload is not None:
-            expected = self.cache.expected_rows(len(item.prompt_token_ids))
-            got = {name: (tuple(t.shape), t.dtype) for name, t in preload.rows.tensors.items()}
-            if got != expected:
-                raise ValueError(f"KV rows {got} do not fit this prompt and cache ({expected})")
+            self.cache.check_rows(preload.rows, len(item.prompt_token_ids))
         prompt_ids = item.prompt_token_ids  # fitted: prompt + max_tokens <= max_model_len
         stop_ids = set(eff.stop_token_ids)
         if not eff.ignore_eos:

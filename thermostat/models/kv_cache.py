@@ -126,10 +126,7 @@ class PagedKVCache:
     def load(self, slots: torch.Tensor, rows: KVRows) -> None:
         """Write `rows` (exported from a cache of an equal spec description) into `slots` [T].
         Raises ValueError if their shapes or dtypes are not this cache's."""
-        expected = self.expected_rows(len(slots))
-        got = {name: (tuple(t.shape), t.dtype) for name, t in rows.tensors.items()}
-        if rows.num_tokens != len(slots) or got != expected:
-            raise ValueError(f"KV rows {got} do not fit this cache ({expected})")
+        self.check_rows(rows, len(slots))
         for c in self.spec.components:
             for i in range(self.spec.num_layers):
                 _slots(self.store[c.name][i]).index_copy_(0, slots, rows.tensors[c.name][i])
@@ -137,15 +134,18 @@ class PagedKVCache:
                     scale = rows.tensors[f"{c.name}.scale"][i]
                     _slots(self.scales[c.name][i]).index_copy_(0, slots, scale)
 
-    def expected_rows(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Shape and dtype of each tensor of a `KVRows` of `num_tokens` tokens for this cache."""
+    def check_rows(self, rows: KVRows, num_tokens: int) -> None:
+        """Raises ValueError unless `rows` are `num_tokens` tokens with this cache's tensor shapes
+        and dtypes."""
         expected: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         for c in self.spec.components:
             shape = (self.spec.num_layers, num_tokens, *c.per_token_shape)
             expected[c.name] = (shape, self.store[c.name][0].dtype)
             if c.quantized:
                 expected[f"{c.name}.scale"] = ((*shape[:-1], 1), torch.float32)
-        return expected
+        got = {name: (tuple(t.shape), t.dtype) for name, t in rows.tensors.items()}
+        if rows.num_tokens != num_tokens or got != expected:
+            raise ValueError(f"KV rows {got} do not fit {num_tokens} tokens here ({expected})")
 
     def _write_compiled(
         self, layer: int, values: tuple[torch.Tensor, ...], slots: torch.Tensor
