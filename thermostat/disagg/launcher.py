@@ -35,16 +35,7 @@ import httpx
 from rich.console import Console
 from rich.text import Text
 
-from thermostat.disagg.children import (
-    Child,
-    LaunchError,
-    free_ports,
-    local_url,
-    start,
-    stop,
-    wait_any_exit,
-    wait_ready,
-)
+from thermostat.disagg import children
 from thermostat.disagg.router import (
     ROUTER_READY_PATH,
     SMG_INSTALL_HINT,
@@ -142,21 +133,21 @@ class Plan:
 
     @property
     def url(self) -> str:
-        return local_url(self.router.host, self.router.port)
+        return children.local_url(self.router.host, self.router.port)
 
 
 def launch(plan: Plan, console: Console) -> int:
     """Start, wait, run and stop as the module docstring says; the exit status of `pd`."""
     plan.log_dir.mkdir(parents=True, exist_ok=True)
-    servers: list[Child] = []
-    routers: list[Child] = []
+    servers: list[children.Child] = []
+    routers: list[children.Child] = []
     previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)
     try:
         for role in ("prefill", "decode"):
             argv, ready_url = plan.server(role)
-            servers.append(start(role, argv, ready_url, plan.log_dir))
+            servers.append(children.start(role, argv, ready_url, plan.log_dir))
         with console.status("starting") as status:
-            wait_ready(
+            children.wait_ready(
                 servers,
                 plan.startup_timeout_s,
                 on_wait=lambda pending, t: status.update(
@@ -166,13 +157,15 @@ def launch(plan: Plan, console: Console) -> int:
             )
             status.update("both servers ready; starting smg")
             argv = smg_command(plan.router, plan.smg)
-            routers.append(start("router", argv, plan.url + ROUTER_READY_PATH, plan.log_dir))
-            wait_ready(routers, ROUTER_READY_TIMEOUT_S, running=servers)
+            routers.append(
+                children.start("router", argv, plan.url + ROUTER_READY_PATH, plan.log_dir)
+            )
+            children.wait_ready(routers, ROUTER_READY_TIMEOUT_S, running=servers)
         _print_ready(plan, console)
-        gone = wait_any_exit([*servers, *routers])
+        gone = children.wait_any_exit([*servers, *routers])
         _print_failure(gone.exit_reason(), gone, console)
         return 1
-    except LaunchError as exc:
+    except children.LaunchError as exc:
         _print_failure(str(exc), exc.child, console)
         return 1
     except KeyboardInterrupt:
@@ -181,8 +174,8 @@ def launch(plan: Plan, console: Console) -> int:
     finally:
         previous_sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a stop is bounded
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        stop(routers, plan.stop_grace_s)
-        stop(servers, plan.stop_grace_s)
+        children.stop(routers, plan.stop_grace_s)
+        children.stop(servers, plan.stop_grace_s)
         signal.signal(signal.SIGINT, previous_sigint)
         signal.signal(signal.SIGTERM, previous_sigterm)
 
@@ -192,7 +185,7 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def _print_failure(reason: str, child: Child, console: Console) -> None:
+def _print_failure(reason: str, child: children.Child, console: Console) -> None:
     console.print(f"[red]error:[/] {reason}; the last lines of {child.log}:")
     console.print(Text.from_ansi(child.tail() or "(empty)"), highlight=False)  # smg colours
 
@@ -203,11 +196,12 @@ def _print_ready(plan: Plan, console: Console) -> None:
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
         model = Path(plan.model).name
     r = plan.router
+    metrics = children.local_url(r.prometheus_host, r.prometheus_port) + "/metrics"
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}]})
     console.print(f"[green]ready:[/] {plan.url}/v1")
     console.print(  # soft wrap: lines to copy get no inserted line breaks
         f"  prefill {r.prefill_url} (bootstrap port {r.bootstrap_port}), decode {r.decode_url}, "
-        f"metrics {local_url(r.prometheus_host, r.prometheus_port)}/metrics, logs {plan.log_dir}",
+        f"metrics {metrics}, logs {plan.log_dir}",
         highlight=False,
         soft_wrap=True,
     )
@@ -259,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     given = [args.prefill_port, args.decode_port, args.bootstrap_port, args.prometheus_port]
-    free = iter(free_ports(given.count(None)))
+    free = iter(children.free_ports(given.count(None)))
     prefill, decode, bootstrap, prometheus = (p if p is not None else next(free) for p in given)
     try:
         serve_args = tuple(shlex.split(args.serve_args))
