@@ -30,12 +30,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from thermostat.kernels import CpuOps
 from thermostat.models.kv_spec import CacheComponent, KVCacheSpec
-from thermostat.models.layers import MLP, DecoderStack, PreNormLayer
+from thermostat.models.layers import MLP, DecoderStack, PreNormLayer, StackArch
 from thermostat.models.mla import MLAArch, MLAttention
 from thermostat.models.moe import MoEArch, SparseMoE, expert_target
-from thermostat.models.rope import RotaryEmbedding, rope_parameters
+from thermostat.models.rope import rope_parameters
 from thermostat.models.weights import Index
 
 if TYPE_CHECKING:
@@ -60,18 +59,9 @@ def yarn_softmax_scale(config: PretrainedConfig, qk_head_dim: int) -> float:
 
 
 @dataclass(frozen=True)
-class DeepseekArch:
-    """The family's shape from a Hugging Face config.json (an ArchFacts for the engine)."""
+class DeepseekArch(StackArch):
+    """The family's shape from a Hugging Face config.json."""
 
-    architecture: str
-    hidden_size: int
-    num_layers: int
-    intermediate_size: int  # of the dense layers
-    vocab_size: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    mlp_bias: bool
-    max_position_embeddings: int
     mla: MLAArch
     moe: MoEArch | None  # None: every layer dense
     first_k_dense_replace: int
@@ -95,19 +85,15 @@ class DeepseekArch:
             rms_norm_eps=config.rms_norm_eps,
         )
         return cls(
-            architecture=arch,
-            hidden_size=config.hidden_size,
-            num_layers=config.num_hidden_layers,
-            intermediate_size=config.intermediate_size,
-            vocab_size=config.vocab_size,
-            rms_norm_eps=config.rms_norm_eps,
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            max_position_embeddings=config.max_position_embeddings,
+            **cls.common_fields(config, arch),
             mla=mla,
             moe=_moe_arch(config, v3),
             first_k_dense_replace=getattr(config, "first_k_dense_replace", None) or 0,
         )
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.mla.qk_rope_head_dim
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer >= self.first_k_dense_replace
@@ -135,32 +121,21 @@ def _moe_arch(config: PretrainedConfig, v3: bool) -> MoEArch | None:
     )
 
 
-def _layer(arch: DeepseekArch, layer: int, ops: CpuOps | None) -> PreNormLayer:
-    mlp: nn.Module
-    if arch.moe is not None and arch.is_moe_layer(layer):
-        size = arch.moe.shared_intermediate_size
-        shared = MLP(arch.hidden_size, size, arch.mlp_bias, ops) if size else None
-        mlp = SparseMoE(arch.moe, arch.hidden_size, ops, shared)
-    else:
-        mlp = MLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, ops)
-    attn = MLAttention(arch.mla, layer, ops)
-    return PreNormLayer(arch.hidden_size, arch.rms_norm_eps, attn, mlp, ops)
-
-
 class DeepseekModel(DecoderStack[DeepseekArch]):
     """A thermostat.models.registry.CausalLM for DeepseekV2ForCausalLM and
     DeepseekV3ForCausalLM checkpoints."""
 
-    def __init__(
-        self,
-        arch: DeepseekArch,
-        config: PretrainedConfig,
-        dtype: torch.dtype,
-        max_positions: int,
-        ops: CpuOps | None = None,
-    ) -> None:
-        rotary = RotaryEmbedding(config, arch.mla.qk_rope_head_dim, max_positions, dtype)
-        super().__init__(arch, lambda i: _layer(arch, i, ops), rotary, dtype, ops)
+    def _layer(self, i: int) -> nn.Module:
+        a, ops = self.arch, self.ops
+        attn = MLAttention(a.mla, i, ops)
+        mlp: nn.Module
+        if a.moe is not None and a.is_moe_layer(i):
+            size = a.moe.shared_intermediate_size
+            shared = MLP(a.hidden_size, size, a.mlp_bias, ops) if size else None
+            mlp = SparseMoE(a.moe, a.hidden_size, ops, shared)
+        else:
+            mlp = MLP(a.hidden_size, a.intermediate_size, a.mlp_bias, ops)
+        return PreNormLayer(a.hidden_size, a.rms_norm_eps, attn, mlp, ops)
 
     @classmethod
     def arch_from_config(cls, config: PretrainedConfig, architecture: str) -> DeepseekArch:

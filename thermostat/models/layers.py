@@ -5,8 +5,9 @@ these, never another family."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,9 @@ from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.linear import pack_linears
 from thermostat.models.rope import RotaryEmbedding
 from thermostat.models.weights import Index, ParameterFiller
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class RMSNorm(nn.Module):
@@ -117,19 +121,39 @@ class Float32Module(nn.Module):
     `DecoderStack` casts them back after its `.to(dtype)`."""
 
 
-class StackArch(Protocol):
-    """What `DecoderStack` reads of a family's arch."""
+@dataclass(frozen=True)
+class StackArch:
+    """What every family reads alike from a Hugging Face config.json (`common_fields`); each
+    family's arch (an ArchFacts for the engine) extends it."""
+
+    architecture: str  # the config's architectures entry served
+    hidden_size: int
+    num_layers: int
+    intermediate_size: int  # of the dense MLPs
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    mlp_bias: bool
+    max_position_embeddings: int
+
+    @staticmethod
+    def common_fields(config: PretrainedConfig, architecture: str) -> dict[str, Any]:
+        return dict(
+            architecture=architecture,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=config.rms_norm_eps,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            max_position_embeddings=config.max_position_embeddings,
+        )
 
     @property
-    def hidden_size(self) -> int: ...
-    @property
-    def num_layers(self) -> int: ...
-    @property
-    def vocab_size(self) -> int: ...
-    @property
-    def rms_norm_eps(self) -> float: ...
-    @property
-    def tie_word_embeddings(self) -> bool: ...
+    def rotary_dim(self) -> int:
+        """The head dim of the rotary tables."""
+        raise NotImplementedError
 
 
 A = TypeVar("A", bound=StackArch)
@@ -138,19 +162,19 @@ A = TypeVar("A", bound=StackArch)
 class DecoderStack(nn.Module, Generic[A]):
     """What every family's model shares: embeddings, a stack of layers that each take and
     return (hidden, residual), the final add + norm, the LM head (tied to the embeddings when
-    the arch says so). A family passes its layers and rotary table, and maps checkpoint names
-    in `_target`."""
+    the arch says so). A family builds its layers in `_layer` and maps checkpoint names in
+    `_target`."""
 
     def __init__(
         self,
         arch: A,
-        layer: Callable[[int], nn.Module],
-        rotary: RotaryEmbedding,
+        config: PretrainedConfig,
         dtype: torch.dtype,
-        ops: CpuOps | None,
+        max_positions: int,
+        ops: CpuOps | None = None,
     ) -> None:
-        """`layer(i)` builds layer i; `ops`: thermostat.kernels.ops() to run the ops it takes in
-        the compiled kernels, None for the pure-PyTorch path."""
+        """The constructor of every family (registry.CausalLM). `ops`: thermostat.kernels.ops()
+        to run the ops it takes in the compiled kernels, None for the pure-PyTorch path."""
         super().__init__()
         self.arch = arch
         self.ops = ops
@@ -159,13 +183,17 @@ class DecoderStack(nn.Module, Generic[A]):
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.layers = nn.ModuleList(layer(i) for i in range(arch.num_layers))
-        self.rotary = rotary
+        self.layers = nn.ModuleList(self._layer(i) for i in range(arch.num_layers))
+        self.rotary = RotaryEmbedding(config, arch.rotary_dim, max_positions, dtype)
         self.to(dtype)
         for m in self.modules():
             if isinstance(m, Float32Module):
                 m.float()
         self.eval()
+
+    def _layer(self, i: int) -> nn.Module:
+        """Layer i, called as (x, residual, cos, sin, meta, cache) -> (x, residual)."""
+        raise NotImplementedError
 
     @torch.inference_mode()
     def forward(

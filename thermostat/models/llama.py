@@ -17,9 +17,9 @@ from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata, paged_attention
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import KVCacheSpec
-from thermostat.models.layers import MLP, DecoderStack, PreNormLayer, RMSNorm
+from thermostat.models.layers import MLP, DecoderStack, PreNormLayer, RMSNorm, StackArch
 from thermostat.models.moe import MoEArch, SparseMoE, expert_target
-from thermostat.models.rope import RotaryEmbedding, apply_rotary
+from thermostat.models.rope import apply_rotary
 from thermostat.models.weights import Index
 
 if TYPE_CHECKING:
@@ -27,27 +27,22 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class ModelArch:
-    """The family's shape from a Hugging Face config.json (an ArchFacts for the engine)."""
+class ModelArch(StackArch):
+    """The family's shape from a Hugging Face config.json."""
 
-    architecture: str
-    hidden_size: int
-    num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
-    mlp_bias: bool
     qk_norm: bool
     sliding_window: int | None
-    max_position_embeddings: int
     moe: MoEArch | None = None  # Mixtral, Qwen3-MoE
     moe_layers: tuple[int, ...] = ()  # the layers whose MLP is `moe`
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.head_dim
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, arch: str) -> ModelArch:
@@ -62,22 +57,14 @@ class ModelArch:
             window = None
         moe, moe_layers = _moe_arch(config, arch)
         return cls(
-            architecture=arch,
-            hidden_size=config.hidden_size,
-            num_layers=config.num_hidden_layers,
+            **cls.common_fields(config, arch),
             num_heads=num_heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
-            intermediate_size=config.intermediate_size,
-            vocab_size=config.vocab_size,
-            rms_norm_eps=config.rms_norm_eps,
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False)),
             o_bias=arch != "Qwen2ForCausalLM" and bool(getattr(config, "attention_bias", False)),
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
             qk_norm=qwen3,
             sliding_window=window,
-            max_position_embeddings=config.max_position_embeddings,
             moe=moe,
             moe_layers=moe_layers,
         )
@@ -150,30 +137,19 @@ class Attention(nn.Module):
         return y
 
 
-def _layer(arch: ModelArch, layer: int, ops: CpuOps | None) -> PreNormLayer:
-    mlp: nn.Module
-    if arch.moe is not None and layer in arch.moe_layers:
-        mlp = SparseMoE(arch.moe, arch.hidden_size, ops)
-    else:
-        mlp = MLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, ops)
-    attn = Attention(arch, layer, ops)
-    return PreNormLayer(arch.hidden_size, arch.rms_norm_eps, attn, mlp, ops)
-
-
 class LlamaFamilyModel(DecoderStack[ModelArch]):
     """A thermostat.models.registry.CausalLM for Llama, Mistral, Qwen2, Qwen3, Mixtral and
     Qwen3-MoE checkpoints."""
 
-    def __init__(
-        self,
-        arch: ModelArch,
-        config: PretrainedConfig,
-        dtype: torch.dtype,
-        max_positions: int,
-        ops: CpuOps | None = None,
-    ) -> None:
-        rotary = RotaryEmbedding(config, arch.head_dim, max_positions, dtype)
-        super().__init__(arch, lambda i: _layer(arch, i, ops), rotary, dtype, ops)
+    def _layer(self, i: int) -> nn.Module:
+        a, ops = self.arch, self.ops
+        attn = Attention(a, i, ops)
+        mlp: nn.Module
+        if a.moe is not None and i in a.moe_layers:
+            mlp = SparseMoE(a.moe, a.hidden_size, ops)
+        else:
+            mlp = MLP(a.hidden_size, a.intermediate_size, a.mlp_bias, ops)
+        return PreNormLayer(a.hidden_size, a.rms_norm_eps, attn, mlp, ops)
 
     @classmethod
     def arch_from_config(cls, config: PretrainedConfig, architecture: str) -> ModelArch:
