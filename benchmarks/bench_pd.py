@@ -11,7 +11,7 @@ bench_http.py does, with its context raised so that the longest --kv-lengths pro
 1. KV transfer. For each KV dtype the model is loaded once in this process
    (`thermostat.LLM(model, kv_cache_dtype=...)`, 2 torch threads); each prompt length is
    prefilled the way a prefill server does it (`add_group(..., handoff=True)`, stepped until
-   the handoff delta), converted with `disagg.handoff.to_handoff`, then handed over
+   the handoff delta), converted with `disagg.handoff.pack_handoff`, then handed over
    `--kv-repeats` times through the real bootstrap path on loopback TCP: `RoomTable.put` on a
    `BootstrapServer` bound to 127.0.0.1, `await claim(...)` from the same event loop, a fresh room
    each time (one unmeasured claim first). The table splits a handoff's time into the prefill
@@ -77,11 +77,11 @@ from thermostat.disagg.children import (
     stop,
     wait_ready,
 )
-from thermostat.disagg.handoff import from_handoff, to_handoff
+from thermostat.disagg.handoff import pack_handoff, unpack_handoff
 from thermostat.disagg.launcher import ROUTER_READY_TIMEOUT_S, SERVER_CMD, Plan, serve_argv
-from thermostat.disagg.rooms import Handoff, RoomTable
+from thermostat.disagg.rooms import PackedHandoff, RoomTable
 from thermostat.disagg.router import ROUTER_READY_PATH, RouterConfig, find_smg, smg_command
-from thermostat.engine.steps import Prefilled
+from thermostat.engine.steps import Handoff
 
 console = Console(stderr=True)
 MB = 1e6
@@ -156,7 +156,7 @@ def timed(fn: Callable[[], Any], repeats: int) -> list[float]:
 # -- 1. KV transfer ---------------------------------------------------------------------------
 
 
-def prefill(llm: LLM, prompt: list[int], group: str) -> tuple[Prefilled, torch.Tensor]:
+def prefill(llm: LLM, prompt: list[int], group: str) -> tuple[Handoff, torch.Tensor]:
     """The prompt's handoff as a prefill server gets it, and the cache slots its rows came from
     (caught on their way into `cache.export`; they stay intact until the engine's next step)."""
     engine = llm.engine
@@ -187,7 +187,7 @@ def prefill(llm: LLM, prompt: list[int], group: str) -> tuple[Prefilled, torch.T
     return prefilled, slots[0]
 
 
-async def hand_over(handoff: Handoff, repeats: int) -> tuple[list[float], Handoff]:
+async def hand_over(handoff: PackedHandoff, repeats: int) -> tuple[list[float], PackedHandoff]:
     """Claim times of `repeats` handoffs over loopback (after one unmeasured), each in a room
     never used before; the last one received."""
     table = RoomTable(ttl_s=CLAIM_TIMEOUT_S)
@@ -234,9 +234,9 @@ def kv_transfer_one(model: Path, kv_dtype: str, args: argparse.Namespace) -> lis
         prefilled, slots = prefill(llm, prompt, f"kv-{kv_dtype}-{length}")
         prefill_s = time.perf_counter() - start_s
         export_s = timed(functools.partial(cache.export, slots), args.kv_repeats)
-        handoff = to_handoff(prefilled, {"benchmark": "bench_pd", "kv_cache_dtype": kv_dtype})
+        handoff = pack_handoff(prefilled, {"benchmark": "bench_pd", "kv_cache_dtype": kv_dtype})
         claim_s, got = asyncio.run(hand_over(handoff, args.kv_repeats))
-        received, _ = from_handoff(got)
+        received, _ = unpack_handoff(got)
         sent = prefilled.rows.tensors
         if received.rows.tensors.keys() != sent.keys() or not all(
             torch.equal(received.rows.tensors[k], t) for k, t in sent.items()

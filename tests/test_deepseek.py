@@ -363,5 +363,5 @@ def test_latent_rows_hand_off_between_engines(deepseek_v3_dir, kv_cache_dtype):
         expected = run_group(single, prompts=[prompt], params=params)[0][0]
         (_, prefilled) = run_group(prefill, prompts=[prompt], params=params, handoff=True)[0]
         assert prefilled is not None and set(prefilled.rows.tensors) <= {"latent", "latent.scale"}
-        got = run_group(decode, prompts=[prompt], params=params, preloads=[prefilled])[0][0]
+        got = run_group(decode, prompts=[prompt], params=params, handoffs=[prefilled])[0][0]
         assert got.token_ids == expected.token_ids

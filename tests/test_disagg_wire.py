@@ -17,7 +17,7 @@ import torch
 
 from tests.waiting import HANG_GUARD_S, hang, until
 from thermostat.disagg.bootstrap import BootstrapServer, claim
-from thermostat.disagg.rooms import Handoff, RoomError, RoomTable
+from thermostat.disagg.rooms import PackedHandoff, RoomError, RoomTable
 from thermostat.disagg.wire import (
     ALIGN,
     MAGIC,
@@ -345,7 +345,7 @@ def test_unpack_rejects_bad_meta_lists() -> None:
 def test_room_table_rejects_bad_puts() -> None:
     async def main() -> None:
         table = RoomTable()
-        handoff = Handoff({}, kv(0))
+        handoff = PackedHandoff({}, kv(0))
         for room in (-1, 1 << 63, True, "7", 1.0):
             with pytest.raises(ValueError, match="room id"):
                 table.put(room, handoff)  # type: ignore[arg-type]
@@ -355,11 +355,11 @@ def test_room_table_rejects_bad_puts() -> None:
         with pytest.raises(ValueError, match="already"):
             table.fail((1 << 63) - 1, "oom", "out of memory")
         with pytest.raises(ValueError, match="'tensors'"):
-            table.put(1, Handoff({"tensors": []}, {}))
+            table.put(1, PackedHandoff({"tensors": []}, {}))
         with pytest.raises(ValueError, match="dtypes"):
-            table.put(1, Handoff({}, {"x": torch.zeros(1, dtype=torch.int32)}))
+            table.put(1, PackedHandoff({}, {"x": torch.zeros(1, dtype=torch.int32)}))
         with pytest.raises(TypeError):
-            table.put(1, Handoff({"x": object()}, {}))
+            table.put(1, PackedHandoff({"x": object()}, {}))
         assert table.num_parked == 1
 
     run(main())
@@ -368,9 +368,9 @@ def test_room_table_rejects_bad_puts() -> None:
 def test_room_table_expires_unclaimed_rooms() -> None:
     async def main() -> None:
         table = RoomTable(ttl_s=0.05)
-        handoff = Handoff({"n": 1}, kv(0))
+        handoff = PackedHandoff({"n": 1}, kv(0))
         table.put(1, handoff)
-        table.put(2, Handoff({}, kv(1)))
+        table.put(2, PackedHandoff({}, kv(1)))
         table.fail(3, "oom", "out of memory")
         assert (table.num_parked, table.bytes_parked) == (2, 2 * handoff.nbytes)
         assert (await table.take(2, 1.0)).header == {}
@@ -391,7 +391,7 @@ def test_a_cancelled_take_leaves_the_room() -> None:
         waiting.cancel()
         await asyncio.wait({waiting})
         assert table.num_waiting == 0
-        table.put(5, Handoff({"ok": True}, {}))
+        table.put(5, PackedHandoff({"ok": True}, {}))
         assert (await table.take(5, 1.0)).header == {"ok": True}
         with pytest.raises(RoomError) as info:
             await table.take(5, 1.0)
@@ -407,12 +407,12 @@ def test_put_then_claim() -> None:
     async def main() -> None:
         table = RoomTable()
         tensors = kv(3) | {"big": torch.randint(0, 256, (10 << 20,), dtype=torch.uint8)}
-        table.put(42, Handoff({"num_tokens": 5, "first_token": 17}, tensors))
+        table.put(42, PackedHandoff({"num_tokens": 5, "first_token": 17}, tensors))
         async with serving(table) as server:
             got = await claim(HOST, server.port, 42, "decode-0", timeout_s=HANG_GUARD_S)
         assert got.header == {"num_tokens": 5, "first_token": 17}
         assert_same_tensors(got.tensors, tensors)
-        assert got.nbytes == Handoff({}, tensors).nbytes
+        assert got.nbytes == PackedHandoff({}, tensors).nbytes
         assert (table.num_parked, table.bytes_parked) == (0, 0)
 
     run(main())
@@ -425,7 +425,7 @@ def test_claim_before_put_waits() -> None:
             claiming = asyncio.create_task(claim(HOST, server.port, 9, "d", timeout_s=HANG_GUARD_S))
             await until(lambda: table.num_waiting == 1)
             tensors = kv(9)
-            table.put(9, Handoff({"late": True}, tensors))
+            table.put(9, PackedHandoff({"late": True}, tensors))
             got = await claiming
         assert got.header == {"late": True}
         assert_same_tensors(got.tensors, tensors)
@@ -438,10 +438,10 @@ def test_concurrent_claims() -> None:
         table = RoomTable()
         rooms = [(1 << 62) + i for i in range(8)]
         for room in rooms[:4]:
-            table.put(room, Handoff({"room": room}, kv(room % 100)))
+            table.put(room, PackedHandoff({"room": room}, kv(room % 100)))
         loop = asyncio.get_running_loop()
         for room in rooms[4:]:
-            loop.call_later(0.05, table.put, room, Handoff({"room": room}, kv(room % 100)))
+            loop.call_later(0.05, table.put, room, PackedHandoff({"room": room}, kv(room % 100)))
         async with serving(table) as server:
             got = await asyncio.gather(
                 *(
@@ -580,7 +580,7 @@ def test_garbage_answer_is_a_protocol_error() -> None:
 def test_expired_rooms_through_the_server() -> None:
     async def main() -> None:
         table = RoomTable(ttl_s=0.05)
-        table.put(18, Handoff({}, kv(18)))
+        table.put(18, PackedHandoff({}, kv(18)))
         assert table.bytes_parked > 0
         async with serving(table, claim_timeout_s=0.2) as server:
             await until(lambda: table.bytes_parked == 0)
@@ -595,7 +595,7 @@ def test_expired_rooms_through_the_server() -> None:
 def test_second_claim_is_refused() -> None:
     async def main() -> None:
         table = RoomTable()
-        table.put(19, Handoff({}, kv(19)))
+        table.put(19, PackedHandoff({}, kv(19)))
         async with serving(table) as server:
             await claim(HOST, server.port, 19, "d0", timeout_s=HANG_GUARD_S)
             with pytest.raises(RoomError) as info:
@@ -608,7 +608,7 @@ def test_second_claim_is_refused() -> None:
 def test_server_survives_garbage() -> None:
     async def main() -> None:
         table = RoomTable()
-        table.put(20, Handoff({"ok": 1}, kv(20)))
+        table.put(20, PackedHandoff({"ok": 1}, kv(20)))
         async with serving(table, read_timeout_s=0.2) as server:
             port = server.port
             assert await raw_exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n") == b""
@@ -650,7 +650,7 @@ def test_claimant_gone_while_waiting_leaves_the_room() -> None:
             claiming.cancel()
             await asyncio.wait({claiming})
             await until(lambda: table.num_waiting == 0 and server.num_connections == 0)
-            table.put(21, Handoff({"kept": True}, kv(21)))
+            table.put(21, PackedHandoff({"kept": True}, kv(21)))
             got = await claim(HOST, server.port, 21, "z", timeout_s=HANG_GUARD_S)
         assert got.header == {"kept": True}
 

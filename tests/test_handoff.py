@@ -1,5 +1,5 @@
 """Prefill/decode handoff inside the engine: one engine computes prompts and samples their first
-token (`add_group(handoff=True)`), another continues from there (`add_group(preloads=...)`).
+token (`add_group(handoff=True)`), another continues from there (`add_group(handoffs=...)`).
 The continuation must equal what one engine alone generates, token for token: greedy and seeded,
 bf16 and fp8 KV, block sizes that differ, n > 1, prompt logprobs."""
 
@@ -12,7 +12,7 @@ from tests.conftest import write_model
 from thermostat import LLM, SamplingParams
 from thermostat.engine.llm_engine import LLMEngine
 from thermostat.engine.outputs import Completion
-from thermostat.engine.steps import Prefilled
+from thermostat.engine.steps import Handoff
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11], list(range(40, 90)), [200, 201, 202, 203] * 9]
 MAX_STEPS = 10_000
@@ -29,11 +29,11 @@ def add(engine: LLMEngine, group_id: str, prompts, params, **options):
 
 def run(
     engine: LLMEngine, prompts, params, **options
-) -> dict[int, tuple[Completion, Prefilled | None]]:
+) -> dict[int, tuple[Completion, Handoff | None]]:
     """Add one group, step until it is done; per index its completion and what it handed off."""
     queued = add(engine, "g", prompts, params, **options)
     index = {q.req_id: q.index for q in queued}
-    done: dict[int, tuple[Completion, Prefilled | None]] = {
+    done: dict[int, tuple[Completion, Handoff | None]] = {
         q.index: (Completion(), None) for q in queued
     }
     for _ in range(MAX_STEPS):
@@ -74,8 +74,8 @@ def test_handoff_continues_as_one_engine_would(model_dir, kv_cache_dtype, params
             assert c.finish_reason == "handoff" and c.token_ids == expected[i][0].token_ids[:1]
             assert p is not None and p.rows.num_tokens == len(prompt)
             assert p.first_token == c.token_ids[0]
-        preloads = [handed[i][1] for i in sorted(handed)]
-        got = run(decode, prompts=[prompt], params=params, preloads=preloads)
+        handoffs = [handed[i][1] for i in sorted(handed)]
+        got = run(decode, prompts=[prompt], params=params, handoffs=handoffs)
         for i, (completion, _) in expected.items():
             assert got[i][0].token_ids == completion.token_ids
             assert got[i][0].text == completion.text
@@ -106,7 +106,7 @@ def test_prompt_logprobs_travel_with_the_rows(model_dir):
     assert prefilled is not None and prefilled.prompt_logprobs == expected
     assert prefilled.first_logprobs is None  # not asked for
     seen = first_prompt_logprobs(
-        engine(model_dir), prompts=[prompt], params=params, preloads=[prefilled]
+        engine(model_dir), prompts=[prompt], params=params, handoffs=[prefilled]
     )
     assert seen == expected
 
@@ -116,9 +116,9 @@ def test_rows_that_do_not_fit_are_refused_and_nothing_stays(model_dir):
     params = SamplingParams(temperature=0.0, max_tokens=3)
     handed = run(prefill, prompts=[PROMPTS[0]], params=params, handoff=True)
     with pytest.raises(ValueError, match="do not fit"):  # bf16 rows into an fp8 cache
-        add(decode, "d", [PROMPTS[0]], params, preloads=[handed[0][1]])
+        add(decode, "d", [PROMPTS[0]], params, handoffs=[handed[0][1]])
     with pytest.raises(ValueError, match="do not fit"):  # rows of another prompt length
-        add(prefill, "d", [PROMPTS[0] + [1]], params, preloads=[handed[0][1]])
+        add(prefill, "d", [PROMPTS[0] + [1]], params, handoffs=[handed[0][1]])
     assert not decode.has_unfinished() and not prefill.has_unfinished()
 
 

@@ -36,7 +36,7 @@ import json
 import logging
 from typing import Any
 
-from thermostat.disagg.rooms import Handoff, RoomError, RoomTable, check_room, is_room
+from thermostat.disagg.rooms import PackedHandoff, RoomError, RoomTable, check_room, is_room
 from thermostat.disagg.wire import (
     FrameType,
     PeerGone,
@@ -149,7 +149,9 @@ class BootstrapServer:
             return
         log.debug("bootstrap: room %d (%d bytes) sent to %s", room, handoff.nbytes, who)
 
-    async def _take(self, reader: asyncio.StreamReader, room: int, who: str) -> Handoff | None:
+    async def _take(
+        self, reader: asyncio.StreamReader, room: int, who: str
+    ) -> PackedHandoff | None:
         """The room, or None if the claimant went away (or sent more bytes) while the take waited;
         the room then stays in the table."""
         take = asyncio.ensure_future(self.table.take(room, self.claim_timeout_s))
@@ -179,7 +181,7 @@ async def claim(
     claimant: str,
     timeout_s: float,
     connect_timeout_s: float = 5.0,
-) -> Handoff:
+) -> PackedHandoff:
     """Claim `room` from the prefill's bootstrap server at host:port (decode side). `timeout_s`
     bounds the whole exchange after connecting: waiting for the room and receiving it. Raises
     RoomError (codes in the module docstring), or ValueError for a bad room id; the connection is
@@ -208,7 +210,7 @@ async def _claim(
     room: int,
     claimant: str,
     timeout_s: float,
-) -> Handoff:
+) -> PackedHandoff:
     try:
         async with asyncio.timeout(timeout_s):
             await write_frame(writer, FrameType.CLAIM, {"room": room, "claimant": claimant})
@@ -242,7 +244,7 @@ async def _claim(
     except WireError as e:
         msg = f"the prefill at {where} sent garbage for room {room}: {e}"
         raise RoomError("protocol", msg) from None
-    return Handoff(header, tensors)
+    return PackedHandoff(header, tensors)
 
 
 def _peer_name(writer: asyncio.StreamWriter) -> str:

@@ -1,6 +1,6 @@
 """What a prefill hands a decode for one choice, and the check that both would serve it alike.
 
-One choice's handoff (`rooms.Handoff`) is a JSON header and named tensors:
+One choice's handoff (`rooms.PackedHandoff`) is a JSON header and named tensors:
 
 | header key        | what                                                                      |
 |-------------------|---------------------------------------------------------------------------|
@@ -28,8 +28,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from thermostat.disagg.rooms import Handoff
-from thermostat.engine.steps import Prefilled, TokenLogprobs
+from thermostat.disagg.rooms import PackedHandoff
+from thermostat.engine.steps import Handoff, TokenLogprobs
 from thermostat.models.kv_spec import KVRows
 
 GENERATOR = "generator_state"
@@ -91,29 +91,29 @@ def disagreements(prefill: dict[str, Any], decode: dict[str, Any]) -> list[str]:
     return found
 
 
-def to_handoff(prefilled: Prefilled, fingerprint: dict[str, Any]) -> Handoff:
+def pack_handoff(handoff: Handoff, fingerprint: dict[str, Any]) -> PackedHandoff:
     header = {
         "fingerprint": fingerprint,
-        "num_tokens": prefilled.rows.num_tokens,
-        "first_token": prefilled.first_token,
-        "first_logprobs": _logprobs_json(prefilled.first_logprobs),
+        "num_tokens": handoff.rows.num_tokens,
+        "first_token": handoff.first_token,
+        "first_logprobs": _logprobs_json(handoff.first_logprobs),
         "prompt_logprobs": None
-        if prefilled.prompt_logprobs is None
-        else [_logprobs_json(lp) for lp in prefilled.prompt_logprobs],
+        if handoff.prompt_logprobs is None
+        else [_logprobs_json(lp) for lp in handoff.prompt_logprobs],
     }
-    tensors = dict(prefilled.rows.tensors)
-    if prefilled.generator_state is not None:
-        tensors[GENERATOR] = prefilled.generator_state
-    return Handoff(header, tensors)
+    tensors = dict(handoff.rows.tensors)
+    if handoff.generator_state is not None:
+        tensors[GENERATOR] = handoff.generator_state
+    return PackedHandoff(header, tensors)
 
 
-def from_handoff(handoff: Handoff) -> tuple[Prefilled, dict[str, Any]]:
-    """The Prefilled and the prefill's fingerprint; raises ValueError for a malformed header."""
-    header, tensors = handoff.header, dict(handoff.tensors)
+def unpack_handoff(packed: PackedHandoff) -> tuple[Handoff, dict[str, Any]]:
+    """The Handoff and the prefill's fingerprint; raises ValueError for a malformed header."""
+    header, tensors = packed.header, dict(packed.tensors)
     try:
         generator = tensors.pop(GENERATOR, None)
         prompt_logprobs = header["prompt_logprobs"]
-        prefilled = Prefilled(
+        handoff = Handoff(
             rows=KVRows(int(header["num_tokens"]), tensors),
             first_token=int(header["first_token"]),
             first_logprobs=_logprobs(header["first_logprobs"]),
@@ -122,7 +122,7 @@ def from_handoff(handoff: Handoff) -> tuple[Prefilled, dict[str, Any]]:
             if prompt_logprobs is None
             else [_logprobs(lp) for lp in prompt_logprobs],
         )
-        return prefilled, dict(header["fingerprint"])
+        return handoff, dict(header["fingerprint"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"malformed handoff header: {exc!r}") from exc
 

@@ -1,6 +1,6 @@
-"""The prefill's rooms (`RoomTable`): each room's KV rows (`Handoff`) parked from the prefill's
-put until a decode server's claim takes them (thermostat.disagg.bootstrap serves the claims), or
-until they expire."""
+"""The prefill's rooms (`RoomTable`): each room's handoff (`PackedHandoff`: a header and the KV
+tensors) parked from the prefill's put until a decode server's claim takes it
+(thermostat.disagg.bootstrap serves the claims), or until it expires."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ MAX_ROOM = 1 << 63  # room ids are in [0, MAX_ROOM)
 
 
 @dataclass(frozen=True)
-class Handoff:
+class PackedHandoff:
     """A room's contents: the caller's JSON header and the KV tensors."""
 
     header: dict[str, Any]
@@ -57,7 +57,7 @@ class _Room:
 
     arrived: bool = False
     taken: bool = False
-    handoff: Handoff | None = None  # until taken
+    handoff: PackedHandoff | None = None  # until taken
     error: RoomError | None = None  # from fail, until taken
     waiter: asyncio.Future[None] | None = None  # a take waiting for the room to arrive
     expiry: asyncio.TimerHandle | None = None
@@ -69,7 +69,7 @@ class RoomTable:
     | entry       | holds                         | leaves                                      |
     |-------------|-------------------------------|---------------------------------------------|
     | waiting     | a take that came first        | when the take gives up (timeout, cancelled) |
-    | parked      | a Handoff, or fail's error    | (taken)                                     |
+    | parked      | a PackedHandoff, or an error  | (taken)                                     |
     | taken       | nothing: a tombstone          | (expired)                                   |
     | any arrived | -                             | `ttl_s` after put / fail (one timer each)   |
 
@@ -83,7 +83,7 @@ class RoomTable:
 
     @property
     def num_parked(self) -> int:
-        """Rooms holding a Handoff that no claim has taken yet."""
+        """Rooms holding a PackedHandoff that no claim has taken yet."""
         return sum(1 for r in self._rooms.values() if r.handoff is not None)
 
     @property
@@ -95,7 +95,7 @@ class RoomTable:
         """Takes waiting for their room to arrive."""
         return sum(1 for r in self._rooms.values() if r.waiter is not None)
 
-    def put(self, room: int, handoff: Handoff) -> None:
+    def put(self, room: int, handoff: PackedHandoff) -> None:
         """Park a room's KV rows; a take waiting for it gets them. Raises ValueError for a bad
         room id, a room already put or failed, or a handoff that cannot be sent."""
         bad = [name for name, t in handoff.tensors.items() if t.dtype not in DTYPES.values()]
@@ -110,7 +110,7 @@ class RoomTable:
         """The prefill could not produce the room: its claimant gets an ERROR frame."""
         self._arrive(room, None, RoomError(code, message))
 
-    def _arrive(self, room: int, handoff: Handoff | None, error: RoomError | None) -> None:
+    def _arrive(self, room: int, handoff: PackedHandoff | None, error: RoomError | None) -> None:
         check_room(room)
         entry = self._rooms.setdefault(room, _Room())
         if entry.arrived:
@@ -129,8 +129,8 @@ class RoomTable:
             self.expired_total += 1
             log.info("room %d expired unclaimed after %g s", room, self.ttl_s)
 
-    async def take(self, room: int, timeout_s: float) -> Handoff:
-        """The room's Handoff, waiting up to `timeout_s` for it to arrive. Raises RoomError:
+    async def take(self, room: int, timeout_s: float) -> PackedHandoff:
+        """The room's PackedHandoff, waiting up to `timeout_s` for it to arrive. Raises RoomError:
         "timeout", "taken" (already taken or being taken), or the code given to `fail`. If the
         caller is cancelled before the take returns, the room stays in the table."""
         check_room(room)

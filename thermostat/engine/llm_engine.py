@@ -24,7 +24,7 @@ from thermostat.engine.output_text import OutputText
 from thermostat.engine.outputs import QueuedRequest, RequestDelta
 from thermostat.engine.request import Request
 from thermostat.engine.scheduler import Scheduler
-from thermostat.engine.steps import Prefilled, RunnerOutput, TokenLogprobs
+from thermostat.engine.steps import Handoff, RunnerOutput, TokenLogprobs
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import resolve_kv_dtype
 from thermostat.sampling.fanout import Plan, plan
@@ -111,7 +111,7 @@ class LLMEngine:
         planned: Plan,
         *,
         handoff: bool = False,
-        preloads: Sequence[Prefilled | None] | None = None,
+        handoffs: Sequence[Handoff | None] | None = None,
     ) -> list[QueuedRequest]:
         """Queue every choice of `planned`, all or none; return them in index order.
 
@@ -121,7 +121,7 @@ class LLMEngine:
 
         Disaggregation: with `handoff` every request computes its prompt, samples its first
         token and ends with finish_reason "handoff", its last delta carrying that (`handoff`:
-        the prompt's rows, the token, the generator state). `preloads[index]` is such a handoff
+        the prompt's rows, the token, the generator state). `handoffs[index]` is such a handoff
         from another engine for request `index`, which then continues from its first token as
         if it had sampled it. Raises ValueError for rows that do not fit the prompt or the cache
         (the caller checked the peer's model and cache spec)."""
@@ -131,7 +131,7 @@ class LLMEngine:
             for index, choice in enumerate(planned.choices):
                 prompt = list(planned.prompt_of(index))
                 item = QueuedRequest(f"{group_id}-{index}", index, prompt, choice)
-                self._add(item, handoff, preloads[index] if preloads is not None else None)
+                self._add(item, handoff, handoffs[index] if handoffs is not None else None)
                 queued.append(item)
         except BaseException:
             for item in queued:
@@ -150,10 +150,10 @@ class LLMEngine:
             if any(not 0 <= t < vocab for t in choice.effective.stop_token_ids):
                 raise SamplingParamError("stop_token_ids", f"token ids must be in [0, {vocab})")
 
-    def _add(self, item: QueuedRequest, handoff: bool, preload: Prefilled | None) -> None:
+    def _add(self, item: QueuedRequest, handoff: bool, from_handoff: Handoff | None) -> None:
         eff = item.resolution.effective
-        if preload is not None:
-            self.cache.check_rows(preload.rows, len(item.prompt_token_ids))
+        if from_handoff is not None:
+            self.cache.check_rows(from_handoff.rows, len(item.prompt_token_ids))
         prompt_ids = item.prompt_token_ids  # fitted: prompt + max_tokens <= max_model_len
         stop_ids = set(eff.stop_token_ids)
         if not eff.ignore_eos:
@@ -169,14 +169,14 @@ class LLMEngine:
             text=text,
             constraint=None if eff.structured is None else self.constraints.compile(eff.structured),
             handoff=handoff,
-            preload=preload,
+            from_handoff=from_handoff,
         )
         self.scheduler.add(req)
         prompt_logprobs: list[TokenLogprobs | None] | None = (
             None if eff.prompt_logprobs is None else [None] * len(prompt_ids)
         )
-        if prompt_logprobs is not None and preload is not None and preload.prompt_logprobs:
-            prompt_logprobs = list(preload.prompt_logprobs)
+        if prompt_logprobs is not None and from_handoff and from_handoff.prompt_logprobs:
+            prompt_logprobs = list(from_handoff.prompt_logprobs)
         self._emitting[item.req_id] = _Emitting(req, text, prompt_logprobs)
 
     def abort(self, req_id: str) -> None:
@@ -240,10 +240,10 @@ class LLMEngine:
         req: Request,
         result: RunnerOutput,
         prompt_logprobs: list[TokenLogprobs | None] | None,
-    ) -> Prefilled | None:
+    ) -> Handoff | None:
         if req.finish_reason != "handoff" or req.handoff_slots is None:
             return None
-        return Prefilled(
+        return Handoff(
             rows=self.cache.export(torch.tensor(req.handoff_slots, dtype=torch.int64)),
             first_token=req.output_token_ids[0],
             first_logprobs=result.logprobs.get(req.req_id),

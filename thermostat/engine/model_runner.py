@@ -9,10 +9,10 @@ import torch
 
 from thermostat.engine.sampler import SamplingBatch, logprobs_of, sample_batch
 from thermostat.engine.steps import (
-    KVPreload,
     NewRequestData,
     RunnerOutput,
     ScheduledChunk,
+    ScheduledHandoff,
     SchedulerOutput,
     TokenLogprobs,
 )
@@ -50,10 +50,10 @@ class ModelRunner:
             gen = None if seed is None else torch.Generator().manual_seed(seed)
             self.requests[data.req_id] = RunnerRequest(data, gen)
         result = RunnerOutput()
-        for preload in out.preloads:
-            self._preload(preload, result)
-        # Decodes (one token) first, batched; then prefill chunks. A preloaded request's chunk
-        # has no tokens: its first token came with its rows.
+        for scheduled in out.handoffs:
+            self._load_handoff(scheduled, result)
+        # Decodes (one token) first, batched; then prefill chunks. A request loaded from a handoff
+        # has a chunk of no tokens: its first token came with its rows.
         chunks = sorted((c for c in out.chunks if c.token_ids), key=lambda c: len(c.token_ids) != 1)
         if not chunks:
             return result
@@ -82,18 +82,18 @@ class ModelRunner:
             offset += n
         return result
 
-    def _preload(self, preload: KVPreload, result: RunnerOutput) -> None:
+    def _load_handoff(self, scheduled: ScheduledHandoff, result: RunnerOutput) -> None:
         """Another engine's prefill: its rows into this cache, its first token as this step's
         sample, its generator where that token left it."""
-        prefilled = preload.prefilled
-        self.cache.load(torch.tensor(preload.slots, dtype=torch.int64), prefilled.rows)
-        req = self.requests[preload.req_id]
-        if req.generator is not None and prefilled.generator_state is not None:
-            req.generator.set_state(prefilled.generator_state)
-        req.output_token_ids.append(prefilled.first_token)
-        result.sampled[preload.req_id] = prefilled.first_token
-        if prefilled.first_logprobs is not None:
-            result.logprobs[preload.req_id] = prefilled.first_logprobs
+        handoff = scheduled.handoff
+        self.cache.load(torch.tensor(scheduled.slots, dtype=torch.int64), handoff.rows)
+        req = self.requests[scheduled.req_id]
+        if req.generator is not None and handoff.generator_state is not None:
+            req.generator.set_state(handoff.generator_state)
+        req.output_token_ids.append(handoff.first_token)
+        result.sampled[scheduled.req_id] = handoff.first_token
+        if handoff.first_logprobs is not None:
+            result.logprobs[scheduled.req_id] = handoff.first_logprobs
 
     def generator_state(self, req_id: str) -> torch.Tensor | None:
         """A request's seeded generator state (None if unseeded), until its finish is seen."""

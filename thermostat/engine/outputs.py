@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from thermostat.engine.steps import Prefilled, TokenLogprobs
+from thermostat.engine.steps import Handoff, TokenLogprobs
 from thermostat.sampling.resolve import Resolution
 
 
@@ -32,7 +32,7 @@ class RequestDelta:
     stop_reason: str | int | None = None  # the stop string, stop token id or "loop" that ended it
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # first delta only; [0] is None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
-    handoff: Prefilled | None = None  # a handoff request's last delta: what it hands over
+    handoff: Handoff | None = None  # a handoff request's last delta: what it hands over
 
     @property
     def finished(self) -> bool:

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from thermostat.engine.block_manager import hash_block_tokens
 from thermostat.engine.constraint import Constraint
-from thermostat.engine.steps import Prefilled
+from thermostat.engine.steps import Handoff
 from thermostat.sampling.params import EffectiveParams
 
 
@@ -52,12 +52,12 @@ class Request:
     text: TextStops | None = None  # None: no text-level stop conditions (token ids only)
     constraint: Constraint | None = None  # structured output: the grammar's state
     # Disaggregation. A handoff request ends ("handoff") once its first token is sampled;
-    # `handoff_slots` are then the cache slots of its prompt. A preloaded request starts from
-    # another engine's handoff (`preload`: the prompt's rows and the first token; dropped once
-    # loaded, so after a preemption the prompt is recomputed).
+    # `handoff_slots` are then the cache slots of its prompt. A request can also start from
+    # another engine's handoff (`from_handoff`: the prompt's rows and the first token; dropped
+    # once loaded, so after a preemption the prompt is recomputed).
     handoff: bool = False
     handoff_slots: list[int] | None = None
-    preload: Prefilled | None = None
+    from_handoff: Handoff | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     @property

@@ -16,10 +16,10 @@ from thermostat.engine.config import SchedulerConfig
 from thermostat.engine.constraint import ConstraintError
 from thermostat.engine.request import Request, RequestStatus
 from thermostat.engine.steps import (
-    KVPreload,
     NewRequestData,
     RunnerOutput,
     ScheduledChunk,
+    ScheduledHandoff,
     SchedulerOutput,
 )
 from thermostat.errors import InvalidRequest
@@ -103,17 +103,17 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
-            hits = [] if req.preload is not None else self._prefix_hits(req)
+            hits = [] if req.from_handoff is not None else self._prefix_hits(req)
             cached = len(hits) * self.block_size
-            computed = req.num_prompt_tokens if req.preload is not None else cached
+            computed = req.num_prompt_tokens if req.from_handoff is not None else cached
             n = min(req.num_tokens - computed, budget)
             if not self.blocks.allocate(req.req_id, computed + n, hits):
                 break
             self.waiting.popleft()
-            if req.preload is not None:
+            if req.from_handoff is not None:
                 slots = self.slots(req.req_id, computed)
-                out.preloads.append(KVPreload(req.req_id, slots, req.preload))
-                req.preload = None
+                out.handoffs.append(ScheduledHandoff(req.req_id, slots, req.from_handoff))
+                req.from_handoff = None
             if req.num_preemptions == 0:
                 req.num_cached_tokens = cached
             req.num_computed_tokens = computed

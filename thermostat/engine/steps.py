@@ -3,10 +3,10 @@ boundary.
 
 | type            | from -> to                                                                 |
 |-----------------|----------------------------------------------------------------------------|
-| SchedulerOutput | Scheduler.schedule -> ModelRunner.execute (chunks, new requests, preloads) |
+| SchedulerOutput | Scheduler.schedule -> ModelRunner.execute (chunks, new requests, handoffs) |
 | RunnerOutput    | ModelRunner.execute -> Scheduler.update                                    |
 | SamplerOutput   | sampler.sample_batch -> ModelRunner                                        |
-| Prefilled       | one engine's handoff delta -> another engine's add_group (PD)              |
+| Handoff         | one engine's handoff delta -> another engine's add_group (PD)              |
 | TokenLogprobs   | one scored token, in all of the above and in the deltas                    |
 """
 
@@ -36,10 +36,10 @@ class SamplerOutput:
 
 
 @dataclass(frozen=True)
-class Prefilled:
+class Handoff:
     """A request's prompt computed and its first token sampled by one engine, for another to
     continue from (prefill/decode disaggregation): what a handoff request's last delta carries
-    and what `LLMEngine.add_group(preloads=...)` takes."""
+    and what `LLMEngine.add_group(handoffs=...)` takes."""
 
     rows: KVRows  # every prompt token's cache rows, as stored
     first_token: int
@@ -71,20 +71,20 @@ class ScheduledChunk:
 
 
 @dataclass
-class KVPreload:
+class ScheduledHandoff:
     """Another engine's prefill of a request admitted this step: the runner writes its rows into
     the request's first slots and takes its first token as this step's sample."""
 
     req_id: str
     slots: list[int]
-    prefilled: Prefilled
+    handoff: Handoff
 
 
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     new_requests: list[NewRequestData] = field(default_factory=list)
-    preloads: list[KVPreload] = field(default_factory=list)
+    handoffs: list[ScheduledHandoff] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # the runner may drop their state
 
     @property

@@ -256,7 +256,7 @@ class AsyncEngine:
                 group.group_id,
                 group.plan,
                 handoff=group.handoff,
-                preloads=group.preloads,
+                handoffs=group.handoffs,
             )
         except Exception as exc:  # refused: the engine keeps nothing of the group
             results.append((command, exc))

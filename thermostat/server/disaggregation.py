@@ -45,9 +45,9 @@ from thermostat.api.disconnect import ClientGone, until_disconnected
 from thermostat.api.errors import APIError
 from thermostat.api.metrics import Metrics
 from thermostat.disagg.bootstrap import BootstrapServer, claim
-from thermostat.disagg.handoff import disagreements, fingerprint, from_handoff, to_handoff
+from thermostat.disagg.handoff import disagreements, fingerprint, pack_handoff, unpack_handoff
 from thermostat.disagg.rooms import RoomError, RoomTable
-from thermostat.engine.steps import Prefilled
+from thermostat.engine.steps import Handoff
 from thermostat.sampling.fanout import Plan
 from thermostat.server.serving import Job
 
@@ -157,14 +157,14 @@ class PrefillRole(Role):
             raise
         for index in range(job.num_choices):
             room = rooms.key(index)
-            prefilled = job.handoffs.get(index)
-            if prefilled is None:  # cannot happen for a finished job: each choice hands off
+            handoff = job.handoffs.get(index)
+            if handoff is None:  # cannot happen for a finished job: each choice hands off
                 self.table.fail(room, "prefill_failed", "the prefill produced no handoff")
                 continue
             prompt = job.prompt_of(index).token_ids
             mark = fingerprint(self.model, self.kv_cache, prompt, job.resolution(index).to_dict())
-            self.table.put(room, to_handoff(prefilled, mark))
-            self.metrics.handoff_bytes.labels("prefill").inc(prefilled.rows.nbytes)
+            self.table.put(room, pack_handoff(handoff, mark))
+            self.metrics.handoff_bytes.labels("prefill").inc(handoff.rows.nbytes)
         self.metrics.handoffs.labels("prefill", "ok").inc(job.num_choices)
         self.metrics.rooms_parked.set(self.table.num_parked)
         return {
@@ -197,17 +197,17 @@ class DecodeRole(Role):
         rooms: Rooms,
         planned: Plan,
         request: Request,
-    ) -> tuple[list[Prefilled], dict[str, Any]]:
+    ) -> tuple[list[Handoff], dict[str, Any]]:
         """Each choice's handoff, checked against the plan this decode will run; and what joins
         the response's `sampling`. Raises APIError (502/504 as tabled, 409 on a mismatch)."""
         start = time.monotonic()
         choices = planned.choices
 
-        async def one(index: int) -> Prefilled:
+        async def one(index: int) -> Handoff:
             host, port = rooms.host, rooms.port
             try:
-                handoff = await claim(host, port, rooms.key(index), self.name, self.timeout_s)
-                prefilled, theirs = from_handoff(handoff)
+                packed = await claim(host, port, rooms.key(index), self.name, self.timeout_s)
+                handoff, theirs = unpack_handoff(packed)
             except RoomError as exc:
                 raise _room_error(exc) from exc
             except ValueError as exc:  # a malformed header: a peer of another version?
@@ -223,17 +223,17 @@ class DecodeRole(Role):
                     type="server_error",
                     code="pd_mismatch",
                 )
-            return prefilled
+            return handoff
 
         try:
-            preloads = await until_disconnected(
+            handoffs = await until_disconnected(
                 _all_or_none([one(i) for i in range(len(choices))]), request
             )
         except APIError as exc:
             self.metrics.handoffs.labels("decode", exc.info.code or "error").inc()
             raise
-        self.metrics.handoffs.labels("decode", "ok").inc(len(preloads))
-        self.metrics.handoff_bytes.labels("decode").inc(sum(p.rows.nbytes for p in preloads))
+        self.metrics.handoffs.labels("decode", "ok").inc(len(handoffs))
+        self.metrics.handoff_bytes.labels("decode").inc(sum(p.rows.nbytes for p in handoffs))
         self.metrics.handoff_wait.observe(time.monotonic() - start)
         extra = {
             "disaggregation": {
@@ -242,10 +242,10 @@ class DecodeRole(Role):
                 "kv_cache": self.kv_cache,
             }
         }
-        return preloads, extra
+        return handoffs, extra
 
 
-async def _all_or_none(claims: list[Coroutine[Any, Any, Prefilled]]) -> list[Prefilled]:
+async def _all_or_none(claims: list[Coroutine[Any, Any, Handoff]]) -> list[Handoff]:
     """Every claim's result, or the first failure with the other claims cancelled."""
     tasks = [asyncio.ensure_future(c) for c in claims]
     try:

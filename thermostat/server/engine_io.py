@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from thermostat.engine.outputs import QueuedRequest, RequestDelta
-from thermostat.engine.steps import Prefilled
+from thermostat.engine.steps import Handoff
 from thermostat.sampling.fanout import Plan
 
 
@@ -19,7 +19,7 @@ class GroupInput:
     group_id: str
     plan: Plan
     handoff: bool = False  # prefill role: compute, sample the first token, hand over
-    preloads: list[Prefilled] | None = None  # decode role: a prefill's handoff per choice
+    handoffs: list[Handoff] | None = None  # decode role: a prefill's handoff per choice
 
 
 @dataclass(frozen=True)

@@ -115,9 +115,9 @@ async def _submit(
     planned = state.serving.plan(body.model, prompts, params)
     if role is None:
         return await state.serving.submit(endpoint, prompts, planned)
-    preloads, extra = await role.fetch(Rooms.of(body), _disaggregated(planned), request)
+    handoffs, extra = await role.fetch(Rooms.of(body), _disaggregated(planned), request)
     return await state.serving.submit(
-        endpoint, prompts, planned, preloads=preloads, sampling_extra=extra
+        endpoint, prompts, planned, handoffs=handoffs, sampling_extra=extra
     )
 
 

@@ -26,7 +26,7 @@ from thermostat.api.metrics import Metrics
 from thermostat.api.protocol import PromptTokensDetails, Usage
 from thermostat.api.responses import response_quality
 from thermostat.engine.outputs import Completion, RequestDelta
-from thermostat.engine.steps import Prefilled, TokenLogprobs
+from thermostat.engine.steps import Handoff, TokenLogprobs
 from thermostat.quality import quality_report
 from thermostat.sampling import (
     GreedyRejected,
@@ -59,7 +59,7 @@ class Job:
     quality: dict[int, dict[str, Any]] = field(default_factory=dict)  # of finished choices
     prompt_logprobs: dict[int, list[TokenLogprobs | None]] = field(default_factory=dict)
     cached_tokens: dict[int, int] = field(default_factory=dict)  # by choice, from its deltas
-    handoffs: dict[int, Prefilled] = field(default_factory=dict)  # prefill role, by choice
+    handoffs: dict[int, Handoff] = field(default_factory=dict)  # prefill role, by choice
     sampling_extra: dict[str, Any] = field(default_factory=dict)  # added to every `sampling`
     first_token_s: float | None = None
     num_generated: int = 0  # tokens generated so far, over all choices (aborted ones included)
@@ -267,11 +267,11 @@ class Serving:
         planned: Plan,
         *,
         handoff: bool = False,
-        preloads: list[Prefilled] | None = None,
+        handoffs: list[Handoff] | None = None,
         sampling_extra: dict[str, Any] | None = None,
     ) -> Job:
         """Queue a planned request; raises APIError (4xx for bad input, 503 when the queue is
-        full) before anything is sent to the client. `handoff` and `preloads`: the prefill and
+        full) before anything is sent to the client. `handoff` and `handoffs`: the prefill and
         decode roles (LLMEngine.add_group); `sampling_extra` joins every `sampling` object."""
         arrival = time.monotonic()
         if self.max_queue is not None and self.engine.num_waiting >= self.max_queue:
@@ -285,7 +285,7 @@ class Serving:
         prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
         job_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
-            stream = await self.engine.add(GroupInput(job_id, planned, handoff, preloads))
+            stream = await self.engine.add(GroupInput(job_id, planned, handoff, handoffs))
         except Exception as exc:  # refusals become 4xx; an engine that is down, a 500
             raise classify(exc) from exc
         job = Job(job_id, endpoint, self.model, prompts, planned.n, stream, self.metrics, arrival)
