@@ -128,3 +128,8 @@ def test_the_graph_sees_imports_inside_functions_and_skips_type_checking_blocks(
     assert "thermostat.engine.loader" in imports_of("thermostat.llm")  # imported in __init__
     assert "thermostat.llm" not in imports_of("thermostat")  # PEP 562 __getattr__ only
     assert len(TORCH_FREE_MODULES) > 20
+
+
+def test_no_import_cycle_between_server_state_and_systemd():
+    assert "thermostat.systemd" not in reached("thermostat.server.state")
+    assert "thermostat.server.state" not in reached("thermostat.systemd")
