@@ -17,7 +17,7 @@ import socket
 import sys
 from collections.abc import Callable
 from types import FrameType
-from typing import Protocol
+from typing import Literal, Protocol
 
 import uvicorn
 from fastapi import FastAPI
@@ -25,15 +25,62 @@ from fastapi import FastAPI
 log = logging.getLogger("thermostat.server")
 
 
-class Lifecycle(Protocol):
-    """What an app's state (`app.state.thermostat`) offers the server."""
+Status = Literal["loading", "ready", "draining", "failed"]
 
-    on_fatal: Callable[[], None]
-    status: str  # "failed": the process exits 1
 
-    def mark_listening(self, address: str) -> None: ...
-    def begin_draining(self) -> None: ...
-    async def drain(self) -> None: ...
+class Lifecycle:
+    """An app's state (`app.state.thermostat`) as the server sees it, `serve`'s and the
+    gateway's alike:
+
+        loading ──(what it serves is in hand: a model, an upstream)──► ready ──(SIGTERM)──► draining
+            └──(it cannot serve: a model that does not load, defaults that cannot apply)──► failed
+
+    The readiness line is logged once, when the app is ready AND its socket listens; under
+    systemd (Type=notify) READY=1 is sent then, and STOPPING=1 when the drain begins."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.status: Status = "loading"
+        self.address: str | None = None  # http://host:port once listening
+        self.route_paths: set[str] = set()
+        self.on_fatal: Callable[[], None] = lambda: None  # asks the server process to exit
+        self.log = logger
+        self._announced = False
+
+    def serving_line(self) -> str:
+        """What the readiness line says this app serves, e.g. "serving 'demo'"."""
+        raise NotImplementedError
+
+    async def drain(self) -> None:
+        """Wait until no request is in flight (at most the drain timeout); idempotent."""
+        raise NotImplementedError
+
+    def mark_ready(self) -> None:
+        if self.status == "loading":
+            self.status = "ready"
+        self._announce()
+
+    def fail(self, why: str, *args: object, traceback: bool = False) -> None:
+        """Log why, then exit 1 (`serve_until_stopped`)."""
+        self.log.error(why, *args, exc_info=traceback)
+        self.status = "failed"
+        self.on_fatal()
+
+    def mark_listening(self, address: str) -> None:
+        self.address = address
+        self._announce()
+
+    def _announce(self) -> None:
+        if self.status == "ready" and self.address and not self._announced:
+            self._announced = True
+            what, url = self.serving_line(), self.address
+            self.log.info("ready: %s at %s (OpenAI API under %s/v1)", what, url, url)
+            notify(f"READY=1\nSTATUS={what} at {url}")
+
+    def begin_draining(self) -> None:
+        if self.status in ("loading", "ready"):
+            self.status = "draining"
+            self.log.info("draining: refusing new requests, finishing those in flight")
+            notify("STOPPING=1\nSTATUS=draining")
 
 
 class Listen(Protocol):

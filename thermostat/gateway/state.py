@@ -1,7 +1,5 @@
-"""The gateway's lifecycle and what it holds.
-
-    loading ──(the upstream answered discovery)──► ready ──(SIGTERM)──► draining
-        └──(its defaults cannot apply: a bad `recommended`)──► failed
+"""What the gateway holds, and its lifecycle (api/lifecycle.py): ready once the upstream
+answered discovery, failed if its defaults cannot apply (a bad `recommended`).
 
 While the upstream does not answer, discovery is retried and /health answers 503; once ready,
 an upstream that goes down is a 502 per request, not a change of status. /health asks the
@@ -16,10 +14,11 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Literal
+from collections.abc import AsyncIterator
+from typing import Any
 
 from thermostat.api.errors import APIError
+from thermostat.api.lifecycle import Lifecycle
 from thermostat.gateway.config import GatewayConfig
 from thermostat.gateway.defaults import GatewayDefaults
 from thermostat.gateway.discovery import UpstreamInfo, discover
@@ -29,19 +28,15 @@ from thermostat.sampling.generation_config import read_generation_config
 
 log = logging.getLogger("thermostat.gateway")
 
-Status = Literal["loading", "ready", "draining", "failed"]
 HEALTH_TTL_S = 1.5  # an upstream check answers /health for this long
 HEALTH_TIMEOUT_S = 2.0  # the longest an upstream check waits
 
 
-class GatewayState:
+class GatewayState(Lifecycle):
     def __init__(self, config: GatewayConfig) -> None:
+        super().__init__(log)
         self.config = config
         self.metrics = GatewayMetrics()
-        self.status: Status = "loading"
-        self.route_paths: set[str] = set()
-        self.address: str | None = None
-        self.on_fatal: Callable[[], None] = lambda: None
         self.upstream = Upstream(
             config.upstream, config.upstream_api_key, config.upstream_timeout_s
         )
@@ -82,14 +77,10 @@ class GatewayState:
         try:
             self.defaults = GatewayDefaults.build(info, cfg.sampling_defaults, cfg.policy)
         except ValueError as exc:
-            log.error("sampling defaults cannot apply: %s; exiting", exc)
-            self.status = "failed"
-            self.on_fatal()
+            self.fail("sampling defaults cannot apply: %s; exiting", exc)
             return
         self.report()
-        if self.status == "loading":
-            self.status = "ready"
-        self._announce()
+        self.mark_ready()
 
     def _from_flags(self, info: UpstreamInfo) -> None:
         """--generation-config / --model beat what the upstream said."""
@@ -122,19 +113,8 @@ class GatewayState:
                 self._health = (time.monotonic(), alive)
             return alive
 
-    def mark_listening(self, address: str) -> None:
-        self.address = address
-        self._announce()
-
-    def _announce(self) -> None:
-        if self.status == "ready" and self.address:
-            log.info("ready: gateway to %s at %s (OpenAI API under %s/v1)",
-                     self.config.upstream, self.address, self.address)  # fmt: skip
-
-    def begin_draining(self) -> None:
-        if self.status in ("loading", "ready"):
-            self.status = "draining"
-            log.info("draining: refusing new requests, finishing those in flight")
+    def serving_line(self) -> str:
+        return f"gateway to {self.config.upstream}"
 
     @contextlib.contextmanager
     def admitted(self) -> Any:

@@ -1,11 +1,7 @@
-"""The server's lifecycle and what it holds once the model is loaded.
-
-    loading ──(model loaded)──► ready ──(SIGTERM / shutdown)──► draining
-        └──(load failed)──► failed
-
-The model loads on the engine thread after the app starts, so /health answers 503 while it does.
-The readiness log line is written once the model is loaded AND the socket is listening (and a
-prefill's bootstrap port too); under systemd (Type=notify) READY=1 is sent then.
+"""What `serve`'s app holds once the model is loaded, and its lifecycle (api/lifecycle.py):
+ready once the model is loaded (and a prefill's bootstrap port listens), failed if it does not
+load. The model loads on the engine thread after the app starts, so /health answers 503 while
+it does.
 """
 
 from __future__ import annotations
@@ -14,12 +10,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from thermostat.api.defaults import DefaultsReport
-from thermostat.api.lifecycle import notify
+from thermostat.api.lifecycle import Lifecycle
 from thermostat.api.metrics import Metrics
 from thermostat.api.tool_parsers import ToolParser, marker_tokens, parser_for
 from thermostat.disagg.handoff import model_identity
@@ -34,22 +30,17 @@ from thermostat.server.serving import Serving
 
 log = logging.getLogger("thermostat.server")
 
-Status = Literal["loading", "ready", "draining", "failed"]
 
-
-class ServerState:
+class ServerState(Lifecycle):
     """The app's lifecycle status and, once loaded, the engine and what serves requests."""
 
     def __init__(self, config: ServerConfig, model_dir: Path, defaults: DefaultsReport) -> None:
+        super().__init__(log)
         self.config = config
         self.model_dir = model_dir
         self.defaults = defaults
         self.metrics = Metrics()
-        self.status: Status = "loading"
         self.started = int(time.time())  # unix seconds; the model card's `created`
-        self.route_paths: set[str] = set()
-        self.address: str | None = None  # http://host:port once listening
-        self.on_fatal: Callable[[], None] = lambda: None  # asks the server process to exit
         # Set once loaded (routes that use serving, prompts and tokens are served only when
         # ready: see server.middleware):
         self.engine: AsyncEngine | None = None
@@ -61,7 +52,6 @@ class ServerState:
         self.tool_parser: ToolParser  # the model family's tool-call format, once loaded
         self.role: PrefillRole | DecodeRole | None = None  # a disaggregated server's half
         self._load_task: asyncio.Task[None] | None = None
-        self._announced = False
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Any) -> AsyncIterator[None]:
@@ -90,9 +80,7 @@ class ServerState:
         try:
             engine = await async_engine.start()
         except Exception:
-            log.exception("the model could not be loaded; exiting")
-            self.status = "failed"
-            self.on_fatal()
+            self.fail("the model could not be loaded; exiting", traceback=True)
             return
         self.engine = async_engine
         self.prompts = PromptBuilder(engine.tokenizer, engine.max_model_len)
@@ -107,9 +95,7 @@ class ServerState:
         try:
             self.role = await self._role(engine)
         except OSError as exc:  # the bootstrap port is taken
-            log.error("prefill: cannot listen on the bootstrap port: %s; exiting", exc)
-            self.status = "failed"
-            self.on_fatal()
+            self.fail("prefill: cannot listen on the bootstrap port: %s; exiting", exc)
             return
         self.serving = Serving(
             self.defaults.model,
@@ -120,9 +106,7 @@ class ServerState:
             self.config.retry_after_s,
             engine.max_model_len,
         )
-        if self.status == "loading":
-            self.status = "ready"
-        self._announce()
+        self.mark_ready()
 
     async def _role(self, engine: LLMEngine) -> PrefillRole | DecodeRole | None:
         """The half this server serves, set up (a prefill listens on its bootstrap port)."""
@@ -141,29 +125,9 @@ class ServerState:
         log.info("decode: claims KV from the prefill each request names (timeout %.0f s)", timeout)
         return DecodeRole(model, kv_cache, timeout, self.metrics, name)
 
-    def mark_listening(self, address: str) -> None:
-        self.address = address
-        self._announce()
-
-    def _announce(self) -> None:
-        if self.status == "ready" and self.address and not self._announced:
-            self._announced = True
-            role = self.config.disaggregation_mode
-            what = f"{role} half of " if role else ""
-            log.info(
-                "ready: serving %s%r at %s (OpenAI API under %s/v1)",
-                what,
-                self.defaults.model,
-                self.address,
-                self.address,
-            )
-            notify(f"READY=1\nSTATUS=serving {what}{self.defaults.model} at {self.address}")
-
-    def begin_draining(self) -> None:
-        if self.status in ("loading", "ready"):
-            self.status = "draining"
-            log.info("draining: refusing new requests, finishing those in flight")
-            notify("STOPPING=1\nSTATUS=draining")
+    def serving_line(self) -> str:
+        role = self.config.disaggregation_mode
+        return f"serving {f'{role} half of ' if role else ''}{self.defaults.model!r}"
 
     async def drain(self) -> None:
         """Wait until no response is in flight (at most drain_timeout_s); idempotent."""
