@@ -134,8 +134,8 @@ class DefaultsReport:
                 str(rec.get(name, "-")),
             )
         cap = base.effective.max_tokens
-        room = "the room the prompt leaves in the context"
-        table.add_row("max_tokens", room if cap is None else str(cap), base.source["max_tokens"])
+        shown = "prompt's room" if cap is None else str(cap)  # the context's, or the operator's
+        table.add_row("max_tokens", shown, base.source["max_tokens"])
         policy = self.layers.policy
         table.caption = (
             f"policy: min_temperature={policy.min_temperature}, greedy={policy.greedy}"

@@ -90,7 +90,7 @@ def render(result: dict[str, Any]) -> Table:
         adj = adjusted.get(name)
         note = f"{adj['requested']} -> {adj['applied']} ({adj['policy']})" if adj else ""
         source = sampling["source"].get(name, "request" if value is not None else "-")
-        shown = "room left" if source == "context_length" and value is None else value
+        shown = "prompt's room" if source == "context_length" and value is None else value
         table.add_row(name, str(shown), source, note)
     return table
 
