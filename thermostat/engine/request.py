@@ -9,7 +9,6 @@ hits (computed tokens start above zero), decode (behind by one) and recompute af
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -58,7 +57,6 @@ class Request:
     handoff: bool = False
     handoff_slots: list[int] | None = None
     from_handoff: Handoff | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
 
     @property
     def max_tokens(self) -> int:

@@ -36,8 +36,6 @@ from thermostat.sampling.params import (
     validate_layered,
 )
 
-SOURCES = ("request", "operator", "recommended", "generation_config", "builtin")
-
 
 class GreedyRejected(InvalidRequest):
     """An explicit temperature 0 under the `--greedy reject` policy."""

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from starlette.requests import Request
 
@@ -41,7 +41,6 @@ from thermostat.server.engine_io import GroupInput, OutputStream
 from thermostat.server.prompts import Prompt
 
 request_log = logging.getLogger("thermostat.requests")
-T = TypeVar("T")
 
 
 @dataclass
