@@ -212,26 +212,17 @@ class Job:
         request_log.info(json.dumps(line))
 
 
+@dataclass(eq=False)
 class Serving:
     """Checks and submits requests for one model: model name, queue room, resolution."""
 
-    def __init__(
-        self,
-        model: str,
-        engine: AsyncEngine,
-        defaults: SamplingDefaults,
-        metrics: Metrics,
-        max_queue: int | None,
-        retry_after_s: int,
-        context_len: int,
-    ) -> None:
-        self.model = model
-        self.context_len = context_len
-        self.engine = engine
-        self.defaults = defaults
-        self.metrics = metrics
-        self.max_queue = max_queue
-        self.retry_after_s = retry_after_s
+    model: str
+    engine: AsyncEngine
+    defaults: SamplingDefaults
+    metrics: Metrics
+    max_queue: int | None
+    retry_after_s: int
+    context_len: int
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model:
