@@ -143,12 +143,9 @@ def render_units(cfg: UnitsConfig) -> dict[str, str]:
 def write_units(cfg: UnitsConfig, out_dir: Path) -> list[Path]:
     units = render_units(cfg)  # raises before anything is written
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
     for name, text in units.items():
-        path = out_dir / name
-        path.write_text(text)
-        paths.append(path)
-    return paths
+        (out_dir / name).write_text(text)
+    return [out_dir / name for name in units]
 
 
 def _server_unit(cfg: UnitsConfig, description: str, argv: list[str], group: str | None) -> str:
