@@ -16,7 +16,6 @@ OpenAI-compatible upstream (vLLM, SGLang, llama.cpp, a router). Torch-free.
 | state.py     | lifecycle: discovery, readiness, in-flight count, drain          |
 | routes.py    | the HTTP routes                                                  |
 | app.py       | the FastAPI app                                                  |
-| launch.py    | uvicorn with readiness and drain                                 |
 | command.py   | `thermostat gateway`                                             |
 
 Load balancing is not here: put the gateway in front of the router.

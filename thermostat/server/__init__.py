@@ -1,9 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI over an engine thread.
 
-`create_app(ServerConfig)` builds the app; `launch.ThermostatServer` runs it with uvicorn,
-a startup report, readiness and a graceful drain on SIGTERM. Both (and with them the engine and
-torch) are imported on first use, so the torch-free modules here (protocol, request_params,
-errors, metrics, middleware, body_limits) serve the gateway where torch is not installed.
+`create_app(ServerConfig)` builds the app (imported on first use, and with it the engine and
+torch); `api.lifecycle.DrainingServer` runs it with uvicorn, a startup report, readiness and a
+graceful drain on SIGTERM.
 """
 
 from __future__ import annotations
