@@ -62,7 +62,7 @@ def _count_usage(state: GatewayState, usage: Any) -> None:
 async def metrics(request: Request) -> Response:
     from prometheus_client import CONTENT_TYPE_LATEST
 
-    return Response(_state(request).metrics.render_gateway(), media_type=CONTENT_TYPE_LATEST)
+    return Response(_state(request).metrics.render(None), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/models")

@@ -81,9 +81,6 @@ class Job:
         """The `sampling` object of choice `index` (choice 0's is the response's)."""
         return self.resolution(index).to_dict() | self.sampling_extra
 
-    def choice(self, index: int) -> Completion:
-        return self.choices.setdefault(index, Completion())
-
     def usage(self) -> Usage:
         """Tokens so far: each prompt once (and its prefix-cache hits, as its first sample
         saw them), every choice's generated tokens."""
@@ -125,12 +122,8 @@ class Job:
         return self.header() | {
             "usage": self.usage(),
             "sampling": self.sampling(),
-            "quality": self.response_quality(),
+            "quality": response_quality([self.quality[i] for i in sorted(self.quality)]),
         }
-
-    def response_quality(self) -> dict[str, Any]:
-        """The response's `quality`: the first degenerate choice's report, else choice 0's."""
-        return response_quality([self.quality[i] for i in sorted(self.quality)])
 
     async def events(self) -> AsyncIterator[tuple[int, RequestDelta]]:
         """Deltas as they come, each already added to its choice; on any exit the unfinished
@@ -162,7 +155,7 @@ class Job:
 
     def _observe(self, index: int, delta: RequestDelta) -> None:
         now = time.monotonic()
-        choice = self.choice(index)
+        choice = self.choices.setdefault(index, Completion())
         choice.add(delta)
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs[index] = delta.prompt_logprobs
