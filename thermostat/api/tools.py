@@ -41,7 +41,7 @@ from thermostat.api.protocol import (
     ToolCall,
 )
 from thermostat.api.request_params import to_sampling_params
-from thermostat.api.tool_parsers import ToolParser, ToolText
+from thermostat.api.tool_parsers import ToolParser, ToolText, parser_for
 from thermostat.sampling.params import SamplingParams
 from thermostat.sampling.structured import (
     ConstraintError,
@@ -146,6 +146,14 @@ class ToolRequest:
             for t in self.tools
             if self.choice in ("required", t["function"]["name"])
         }
+
+
+def tool_constraint(body: ChatCompletionRequest) -> StructuredOutput | None:
+    """The gateway's report of a forced call (the upstream enforces it in its own format, which
+    the gateway cannot see): serve's kind, source and hash, which no parser changes. None unless
+    the body forces a call; raises ConstraintError naming the field, as serve does."""
+    request = ToolRequest.of(body, parser_for({}))  # its grammar goes unused, its hash not
+    return request.constraint() if request is not None else None
 
 
 def answer(text: str, read: ToolText | None) -> ChatMessageOut:

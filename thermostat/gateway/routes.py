@@ -19,11 +19,11 @@ from thermostat.api.errors import APIError
 from thermostat.api.protocol import ChatCompletionRequest, CompletionRequest
 from thermostat.api.request_params import read_body, to_sampling_params
 from thermostat.api.responses import sse
+from thermostat.api.tools import tool_constraint
 from thermostat.gateway.fold import Fold
 from thermostat.gateway.forward import upstream_body
 from thermostat.gateway.relay import Sampling, StreamAnnotator, annotate
 from thermostat.gateway.state import GatewayState
-from thermostat.gateway.tools import tool_constraint
 from thermostat.gateway.upstream import UpstreamError
 from thermostat.sampling import GreedyRejected
 
