@@ -78,6 +78,12 @@ class Lifecycle:
             self.log.info("ready: %s at %s (OpenAI API under %s/v1)", what, url, url)
             notify(f"READY=1\nSTATUS={what} at {url}")
 
+    def report_defaults(self, table: str, warnings: list[str]) -> None:
+        """The startup report's sampling defaults: the table, then what looks wrong."""
+        self.log.info("sampling defaults\n%s", table.rstrip())
+        for warning in warnings:
+            self.log.warning("sampling: %s", warning)
+
     def begin_draining(self) -> None:
         if self.status in ("loading", "ready"):
             self.status = "draining"
