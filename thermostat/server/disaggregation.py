@@ -235,9 +235,9 @@ async def _all_or_none(claims: list[Coroutine[Any, Any, Handoff]]) -> list[Hando
             task.cancel()
 
 
+_ROOM_ERRORS = {"timeout": (504, "prefill_timeout"), "refused": (502, "prefill_refused")}
+
+
 def _room_error(exc: RoomError) -> APIError:
-    if exc.code == "timeout":
-        return APIError(504, str(exc), type="server_error", code="prefill_timeout")
-    if exc.code == "refused":
-        return APIError(502, str(exc), type="server_error", code="prefill_refused")
-    return APIError(502, str(exc), type="server_error", code="prefill_unreachable")
+    status, code = _ROOM_ERRORS.get(exc.code, (502, "prefill_unreachable"))
+    return APIError(status, str(exc), type="server_error", code=code)
