@@ -102,8 +102,7 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
 
 def refuse(request: Request, err: APIError) -> JSONResponse:
     """The error response, after the request's one log line (and, for a 5xx, the count)."""
-    if err.status >= 500:
-        count_server_error(request, err)
+    count_server_error(request, err)
     line = {
         "path": request.url.path,
         "status": err.status,
@@ -116,9 +115,9 @@ def refuse(request: Request, err: APIError) -> JSONResponse:
 
 
 def count_server_error(request: Request, err: APIError) -> None:
-    """One more in `thermostat_server_errors_total{code}`."""
+    """One more in `thermostat_server_errors_total{code}` if `err` is a server fault (5xx)."""
     state = getattr(request.app.state, "thermostat", None)
-    if state is not None:
+    if state is not None and err.status >= 500:
         state.metrics.server_errors.labels(err.info.code or "unknown").inc()
 
 
