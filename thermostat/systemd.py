@@ -150,7 +150,7 @@ def write_units(cfg: UnitsConfig, out_dir: Path) -> list[Path]:
 
 def _server_unit(cfg: UnitsConfig, description: str, argv: list[str], group: str | None) -> str:
     model = "the demo model" if cfg.model == "demo" else Path(cfg.model).name
-    unit = [("Description", f"{description}, {_escape_specifiers(model)}")]
+    unit = [("Description", f"{description}, {model.replace('%', '%%')}")]  # % starts a specifier
     unit += [("After", "network.target")]
     if group is not None:
         unit.append(("PartOf", group))
@@ -174,7 +174,3 @@ def _unit_text(sections: dict[str, list[tuple[str, str]]]) -> str:
     for name, items in sections.items():
         lines += ["", f"[{name}]", *(f"{key}={value}" for key, value in items)]
     return "\n".join(lines) + "\n"
-
-
-def _escape_specifiers(text: str) -> str:
-    return text.replace("%", "%%")
