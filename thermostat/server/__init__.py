@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from thermostat.server.config import ServerConfig
+
 if TYPE_CHECKING:
     from thermostat.server.app import create_app
-    from thermostat.server.config import ServerConfig
 
 __all__ = ["ServerConfig", "create_app"]
 
@@ -21,8 +22,4 @@ def __getattr__(name: str) -> Any:
         from thermostat.server.app import create_app
 
         return create_app
-    if name == "ServerConfig":
-        from thermostat.server.config import ServerConfig
-
-        return ServerConfig
     raise AttributeError(f"module 'thermostat.server' has no attribute {name!r}")
