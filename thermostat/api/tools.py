@@ -200,13 +200,9 @@ class ToolStream:
         for index, call in enumerate(named):
             if index == len(self.args_sent):
                 self.args_sent.append(0)
+                head = DeltaFunctionCall(name=call.name, arguments="")
                 pieces.append(
-                    DeltaToolCall(
-                        index=index,
-                        id=call_id(),
-                        type="function",
-                        function=DeltaFunctionCall(name=call.name, arguments=""),
-                    )
+                    DeltaToolCall(index=index, id=call_id(), type="function", function=head)
                 )
             if len(call.arguments) > self.args_sent[index]:
                 piece = call.arguments[self.args_sent[index] :]
