@@ -15,10 +15,10 @@ import httpx
 import openai
 
 from tests.waiting import HANG_GUARD_S, hang
+from thermostat.api.lifecycle import DrainingServer
 from thermostat.engine.config import EngineConfig
 from thermostat.engine.llm_engine import LLMEngine
 from thermostat.server import ServerConfig, create_app
-from thermostat.server.launch import ThermostatServer
 from thermostat.server.state import ServerState
 
 ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -28,12 +28,12 @@ KV_GB = 4 * 2**-10  # 4 MiB of KV cache: 8192 tokens of a tiny test model (512 B
 @dataclass
 class RunningServer:
     url: str
-    server: ThermostatServer
+    server: DrainingServer
     thread: threading.Thread
 
     @property
     def state(self) -> ServerState:
-        return self.server.state
+        return self.server.lifecycle
 
     @property
     def engine(self) -> LLMEngine:
@@ -63,14 +63,14 @@ def running_server(model_dir: Path, **options: Any) -> Iterator[RunningServer]:
     engine_options.setdefault("kv_cache_memory_gb", KV_GB)
     engine = EngineConfig(model=str(model_dir), **engine_options)
     config = ServerConfig(engine=engine, port=0, **options)
-    server = ThermostatServer(create_app(config), config, log_level="warning")
+    server = DrainingServer(create_app(config), config, log_level="warning")
     thread = threading.Thread(target=server.run, name="test-server", daemon=True)
     thread.start()
     url = None
     deadline = time.monotonic() + HANG_GUARD_S
-    while thread.is_alive() and server.state.status != "failed" and time.monotonic() < deadline:
-        address = server.state.address
-        ready = address is not None and server.state.status == "ready"
+    while thread.is_alive() and server.lifecycle.status != "failed" and time.monotonic() < deadline:
+        address = server.lifecycle.address
+        ready = address is not None and server.lifecycle.status == "ready"
         if ready and httpx.get(f"{address}/health", timeout=HANG_GUARD_S).status_code == 200:
             url = address
             break
@@ -78,7 +78,7 @@ def running_server(model_dir: Path, **options: Any) -> Iterator[RunningServer]:
     timed_out = url is None and time.monotonic() >= deadline
     try:
         assert not timed_out, hang("the test server becoming ready")
-        assert url is not None, f"the test server did not become ready: {server.state.status}"
+        assert url is not None, f"the test server did not become ready: {server.lifecycle.status}"
         yield RunningServer(url, server, thread)
     finally:
         server.should_exit = True

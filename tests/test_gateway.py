@@ -28,9 +28,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from tests.conftest import write_model
 from tests.server_utils import running_server
 from tests.waiting import HANG_GUARD_S, hang, wait_until
+from thermostat.api.lifecycle import DrainingServer
 from thermostat.cli import main
 from thermostat.gateway import GatewayConfig, create_gateway_app
-from thermostat.gateway.launch import GatewayServer
 from thermostat.sampling import LAYERED_FIELDS, Policy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,19 +43,19 @@ PROMPT = [{"role": "user", "content": "Tell me about the sea."}]
 def running_gateway(upstream: str, **options: Any) -> Iterator[str]:
     """A gateway in front of `upstream` on a free loopback port until the block ends."""
     config = GatewayConfig(upstream=upstream, port=0, **options)
-    server = GatewayServer(create_gateway_app(config), config, log_level="warning")
+    server = DrainingServer(create_gateway_app(config), config, log_level="warning")
     thread = threading.Thread(target=server.run, name="test-gateway", daemon=True)
     thread.start()
     try:
         wait_until(
             lambda: (
-                bool(server.state.address and server.state.status == "ready")
+                bool(server.lifecycle.address and server.lifecycle.status == "ready")
                 or not thread.is_alive()
             ),
             "the gateway starting",
         )
         assert thread.is_alive(), "the gateway did not start"
-        yield server.state.address
+        yield server.lifecycle.address
     finally:
         server.should_exit = True
         thread.join(timeout=HANG_GUARD_S)

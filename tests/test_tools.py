@@ -204,8 +204,7 @@ def test_forced_call_grammar_only_admits_calls_the_parser_reads(name, markers):
 def test_the_constraint_hash_is_of_the_call_schema_whatever_the_format():
     """serve's hash (any parser, markers as tokens or text) is the gateway's."""
     from thermostat.api.protocol import ChatCompletionRequest
-    from thermostat.api.tools import ToolRequest
-    from thermostat.gateway.tools import tool_constraint
+    from thermostat.api.tools import ToolRequest, tool_constraint
 
     for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
         body = ChatCompletionRequest.model_validate(

@@ -143,17 +143,14 @@ def render_units(cfg: UnitsConfig) -> dict[str, str]:
 def write_units(cfg: UnitsConfig, out_dir: Path) -> list[Path]:
     units = render_units(cfg)  # raises before anything is written
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
     for name, text in units.items():
-        path = out_dir / name
-        path.write_text(text)
-        paths.append(path)
-    return paths
+        (out_dir / name).write_text(text)
+    return [out_dir / name for name in units]
 
 
 def _server_unit(cfg: UnitsConfig, description: str, argv: list[str], group: str | None) -> str:
     model = "the demo model" if cfg.model == "demo" else Path(cfg.model).name
-    unit = [("Description", f"{description}, {_escape_specifiers(model)}")]
+    unit = [("Description", f"{description}, {model.replace('%', '%%')}")]  # % starts a specifier
     unit += [("After", "network.target")]
     if group is not None:
         unit.append(("PartOf", group))
@@ -177,7 +174,3 @@ def _unit_text(sections: dict[str, list[tuple[str, str]]]) -> str:
     for name, items in sections.items():
         lines += ["", f"[{name}]", *(f"{key}={value}" for key, value in items)]
     return "\n".join(lines) + "\n"
-
-
-def _escape_specifiers(text: str) -> str:
-    return text.replace("%", "%%")

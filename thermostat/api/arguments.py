@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 
-from thermostat.sampling import Policy
-
 
 def add_listen_arguments(p: argparse.ArgumentParser) -> None:
     """--host and --port (serve and gateway)."""
@@ -23,7 +21,7 @@ def add_stop_on_loop_argument(g: argparse._ActionsContainer) -> None:
 
 
 def add_policy_arguments(s: argparse._ActionsContainer) -> None:
-    """--sampling-defaults, --min-temperature, --greedy (serve and gateway): see `policy_from`."""
+    """--sampling-defaults, --min-temperature, --greedy (serve and gateway): see `edge_options`."""
     s.add_argument(
         "--sampling-defaults",
         metavar="SPEC",
@@ -68,8 +66,3 @@ def add_operations_arguments(o: argparse._ActionsContainer) -> None:
         metavar="MB",
         help="request bodies larger than this get a 413 before they are read",
     )
-
-
-def policy_from(args: argparse.Namespace) -> Policy:
-    """The policy of `add_policy_arguments`' flags; raises ValueError for a bad value."""
-    return Policy(min_temperature=args.min_temperature, greedy=args.greedy)

@@ -7,7 +7,6 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from thermostat.api.arguments import policy_from
 from thermostat.sampling import Policy
 from thermostat.sampling.spec import parse_sampling_spec
 
@@ -42,7 +41,7 @@ def edge_options(args: argparse.Namespace) -> dict[str, Any]:
         host=args.host,
         port=args.port,
         sampling_defaults=parse_sampling_spec(args.sampling_defaults),
-        policy=policy_from(args),
+        policy=Policy(min_temperature=args.min_temperature, greedy=args.greedy),
         api_key=args.api_key,
         max_queue=args.max_queue,
         drain_timeout_s=args.drain_timeout,

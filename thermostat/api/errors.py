@@ -102,8 +102,7 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
 
 def refuse(request: Request, err: APIError) -> JSONResponse:
     """The error response, after the request's one log line (and, for a 5xx, the count)."""
-    if err.status >= 500:
-        count_server_error(request, err)
+    count_server_error(request, err)
     line = {
         "path": request.url.path,
         "status": err.status,
@@ -116,18 +115,17 @@ def refuse(request: Request, err: APIError) -> JSONResponse:
 
 
 def count_server_error(request: Request, err: APIError) -> None:
-    """One more in `thermostat_server_errors_total{code}`."""
+    """One more in `thermostat_server_errors_total{code}` if `err` is a server fault (5xx)."""
     state = getattr(request.app.state, "thermostat", None)
-    if state is not None:
+    if state is not None and err.status >= 500:
         state.metrics.server_errors.labels(err.info.code or "unknown").inc()
 
 
 def install_error_handlers(app: FastAPI) -> None:
     """Every error leaves the app in the OpenAI shape."""
 
-    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, APIError)
-        return refuse(request, exc)
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        return refuse(request, classify(exc))  # an APIError as it is
 
     async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
@@ -139,14 +137,8 @@ def install_error_handlers(app: FastAPI) -> None:
         err = APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers)
         return refuse(request, err)
 
-    async def on_invalid(request: Request, exc: Exception) -> JSONResponse:
-        return refuse(request, classify(exc))
-
-    async def on_crash(request: Request, exc: Exception) -> JSONResponse:
-        return refuse(request, classify(exc))
-
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(InvalidRequest, on_invalid)
+    app.add_exception_handler(APIError, on_error)
+    app.add_exception_handler(InvalidRequest, on_error)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(HTTPException, on_http)
 
@@ -154,4 +146,4 @@ def install_error_handlers(app: FastAPI) -> None:
         return Response(status_code=499)  # nobody reads it; counted as "client closed request"
 
     app.add_exception_handler(ClientGone, on_client_gone)
-    app.add_exception_handler(Exception, on_crash)
+    app.add_exception_handler(Exception, on_error)

@@ -17,10 +17,12 @@ import socket
 import sys
 from collections.abc import Callable
 from types import FrameType
-from typing import Literal, Protocol
+from typing import Literal
 
 import uvicorn
 from fastapi import FastAPI
+
+from thermostat.api.config import EdgeConfig
 
 log = logging.getLogger("thermostat.server")
 
@@ -76,6 +78,12 @@ class Lifecycle:
             self.log.info("ready: %s at %s (OpenAI API under %s/v1)", what, url, url)
             notify(f"READY=1\nSTATUS={what} at {url}")
 
+    def report_defaults(self, table: str, warnings: list[str]) -> None:
+        """The startup report's sampling defaults: the table, then what looks wrong."""
+        self.log.info("sampling defaults\n%s", table.rstrip())
+        for warning in warnings:
+            self.log.warning("sampling: %s", warning)
+
     def begin_draining(self) -> None:
         if self.status in ("loading", "ready"):
             self.status = "draining"
@@ -83,19 +91,8 @@ class Lifecycle:
             notify("STOPPING=1\nSTATUS=draining")
 
 
-class Listen(Protocol):
-    """Where to listen and how long a drain may take (ServerConfig, GatewayConfig)."""
-
-    @property
-    def host(self) -> str: ...
-    @property
-    def port(self) -> int: ...
-    @property
-    def drain_timeout_s(self) -> float: ...
-
-
 class DrainingServer(uvicorn.Server):
-    def __init__(self, app: FastAPI, config: Listen, log_level: str = "info") -> None:
+    def __init__(self, app: FastAPI, config: EdgeConfig, log_level: str = "info") -> None:
         self.lifecycle: Lifecycle = app.state.thermostat
         super().__init__(
             uvicorn.Config(

@@ -18,22 +18,16 @@ from typing import Protocol
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from thermostat.api.config import EdgeConfig
 from thermostat.api.errors import APIError, error_response
 from thermostat.api.metrics import Metrics
-
-
-class GateConfig(Protocol):
-    @property
-    def api_key(self) -> str | None: ...
-    @property
-    def max_body_bytes(self) -> int: ...
 
 
 class GatedState(Protocol):
     """What the gate (and BodyLimitsMiddleware) read: the server's state or the gateway's."""
 
     @property
-    def config(self) -> GateConfig: ...
+    def config(self) -> EdgeConfig: ...
     @property
     def status(self) -> str: ...
     @property

@@ -51,9 +51,7 @@ def scan_json(text: str, start: int) -> tuple[int | None, dict[str, tuple[int, i
                     keys[value[0]] = (value[1], _rstrip(text, i))
                 return i + 1, keys
         elif ch == ":" and depth == 1 and pending_key is not None:
-            j = i + 1
-            while j < len(text) and text[j] in " \t\r\n":
-                j += 1
+            j = skip_ws(text, i + 1)
             value, pending_key = (pending_key, j), None
             keys[value[0]] = (j, None)
         elif ch == "," and depth == 1 and value is not None:

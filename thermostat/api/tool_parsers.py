@@ -70,11 +70,13 @@ def marker_tokens(added: Mapping[int, Any]) -> dict[str, MarkerToken]:
 
 
 class ToolParser(ABC):
-    """One family's tool-call format. Subclasses set `name`, `args_key` and `markers`; the
-    registry `PARSERS` maps names to them. `tokens`: the tokenizer's added tokens by text."""
+    """One family's tool-call format. Subclasses set `name`, `args_key`, `separators` and
+    `markers`; the registry `PARSERS` maps names to them. `tokens`: the tokenizer's added
+    tokens by text."""
 
     name: ClassVar[str]
     args_key: ClassVar[str] = "arguments"
+    separators: ClassVar[str] = ""  # between two call objects, besides whitespace
     markers: ClassVar[tuple[str, ...]] = ()  # the fixed texts its grammar writes
 
     def __init__(self, tokens: Mapping[str, MarkerToken] | None = None) -> None:
@@ -104,8 +106,21 @@ class ToolParser(ABC):
 
     def calls_from(self, text: str, i: int) -> tuple[list[CallSoFar], int, int]:
         """The calls from `text[i]` on (where a call may begin), the offset past the last
-        closed one (`i` if none) and how many are closed."""
-        return self.read_calls(text, i, "")
+        closed one (`i` if none) and how many are closed. Here: call objects separated by
+        whitespace and `separators`."""
+        calls: list[CallSoFar] = []
+        resume = i
+        while True:
+            i = skip_ws(text, i)
+            while i < len(text) and text[i] in self.separators:
+                i = skip_ws(text, i + 1)
+            if i >= len(text) or text[i] != "{":
+                return calls, resume, len(calls)
+            call, end = read_call(text, i, self.args_key)
+            if end is None:
+                return [*calls, call], resume, len(calls)
+            calls.append(call)
+            i = resume = end
 
     @abstractmethod
     def frame(self, call: str, parallel: bool) -> str:
@@ -127,23 +142,6 @@ class ToolParser(ABC):
         token = self.tokens.get(marker)
         return f"<[{token.id}]>" if token is not None else json.dumps(marker)
 
-    def read_calls(self, text: str, i: int, separators: str) -> tuple[list[CallSoFar], int, int]:
-        """Call objects from `text[i]` on, separated by whitespace and `separators` (as
-        `calls_from`)."""
-        calls: list[CallSoFar] = []
-        resume = i
-        while True:
-            i = skip_ws(text, i)
-            while i < len(text) and text[i] in separators:
-                i = skip_ws(text, i + 1)
-            if i >= len(text) or text[i] != "{":
-                return calls, resume, len(calls)
-            call, end = read_call(text, i, self.args_key)
-            if end is None:
-                return [*calls, call], resume, len(calls)
-            calls.append(call)
-            i = resume = end
-
 
 class HermesParser(ToolParser):
     name = "hermes"
@@ -151,10 +149,7 @@ class HermesParser(ToolParser):
     markers = (START, END)
 
     def start(self, text: str) -> tuple[str, int | None]:
-        first = text.find(self.START)
-        if first < 0:
-            return text[: len(text) - _held_prefix(text, self.START)].rstrip(), None
-        return text[:first].rstrip(), first
+        return _split(text, self.START)
 
     def calls_from(self, text: str, i: int) -> tuple[list[CallSoFar], int, int]:
         calls: list[CallSoFar] = []
@@ -162,7 +157,7 @@ class HermesParser(ToolParser):
         while (i := text.find(self.START, i)) >= 0:
             i += len(self.START)
             close = text.find(self.END, i)
-            found = self.read_calls(text if close < 0 else text[:close], i, "")[0]
+            found = super().calls_from(text if close < 0 else text[:close], i)[0]
             calls.append(found[0] if found else CallSoFar())
             if close < 0:
                 return calls, resume, len(calls) - 1
@@ -178,6 +173,7 @@ class HermesParser(ToolParser):
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     args_key = "parameters"
+    separators = ";"
     TAG = "<|python_tag|>"  # read if present; the grammar writes none
 
     def start(self, text: str) -> tuple[str, int | None]:
@@ -189,9 +185,6 @@ class Llama3JsonParser(ToolParser):
             return "", None  # nothing but whitespace (or a tag) yet
         return text.rstrip(), None
 
-    def calls_from(self, text: str, i: int) -> tuple[list[CallSoFar], int, int]:
-        return self.read_calls(text, i, ";")
-
     def frame(self, call: str, parallel: bool) -> str:
         more = ' ("; " call)*' if parallel else ""
         return f"start: call{more}\ncall: {call}"
@@ -199,32 +192,31 @@ class Llama3JsonParser(ToolParser):
 
 class MistralParser(ToolParser):
     name = "mistral"
+    separators = ","
     START = "[TOOL_CALLS]"
     markers = (START,)
 
     def start(self, text: str) -> tuple[str, int | None]:
-        first = text.find(self.START)
-        if first < 0:
-            return text[: len(text) - _held_prefix(text, self.START)].rstrip(), None
-        i = skip_ws(text, first + len(self.START))
-        if i >= len(text):
-            return text[:first].rstrip(), None
-        return text[:first].rstrip(), i + (text[i] == "[")
-
-    def calls_from(self, text: str, i: int) -> tuple[list[CallSoFar], int, int]:
-        return self.read_calls(text, i, ",")
+        content, first = _split(text, self.START)
+        if first is None or (i := skip_ws(text, first + len(self.START))) >= len(text):
+            return content, None
+        return content, i + (text[i] == "[")
 
     def frame(self, call: str, parallel: bool) -> str:
         more = ' (", " call)*' if parallel else ""
         return f'start: {self.lit(self.START)} "[" call{more} "]"\ncall: {call}'
 
 
-def _held_prefix(text: str, marker: str) -> int:
-    """How many trailing characters of `text` could start `marker` (held back from content)."""
+def _split(text: str, marker: str) -> tuple[str, int | None]:
+    """The content before `marker`, and where the marker begins (None while it is absent: then
+    a tail of `text` that could start it is held back from the content)."""
+    first = text.find(marker)
+    if first >= 0:
+        return text[:first].rstrip(), first
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:n]):
-            return n
-    return 0
+            return text[:-n].rstrip(), None
+    return text.rstrip(), None
 
 
 PARSERS: dict[str, type[ToolParser]] = {

@@ -41,7 +41,7 @@ from thermostat.api.protocol import (
     ToolCall,
 )
 from thermostat.api.request_params import to_sampling_params
-from thermostat.api.tool_parsers import ToolParser, ToolText
+from thermostat.api.tool_parsers import ToolParser, ToolText, parser_for
 from thermostat.sampling.params import SamplingParams
 from thermostat.sampling.structured import (
     ConstraintError,
@@ -148,6 +148,14 @@ class ToolRequest:
         }
 
 
+def tool_constraint(body: ChatCompletionRequest) -> StructuredOutput | None:
+    """The gateway's report of a forced call (the upstream enforces it in its own format, which
+    the gateway cannot see): serve's kind, source and hash, which no parser changes. None unless
+    the body forces a call; raises ConstraintError naming the field, as serve does."""
+    request = ToolRequest.of(body, parser_for({}))  # its grammar goes unused, its hash not
+    return request.constraint() if request is not None else None
+
+
 def answer(text: str, read: ToolText | None) -> ChatMessageOut:
     """A finished choice's message, streamed or whole: its calls once one has a name (a stream
     has announced it then), after the content before them; else its text."""
@@ -192,13 +200,9 @@ class ToolStream:
         for index, call in enumerate(named):
             if index == len(self.args_sent):
                 self.args_sent.append(0)
+                head = DeltaFunctionCall(name=call.name, arguments="")
                 pieces.append(
-                    DeltaToolCall(
-                        index=index,
-                        id=call_id(),
-                        type="function",
-                        function=DeltaFunctionCall(name=call.name, arguments=""),
-                    )
+                    DeltaToolCall(index=index, id=call_id(), type="function", function=head)
                 )
             if len(call.arguments) > self.args_sent[index]:
                 piece = call.arguments[self.args_sent[index] :]

@@ -95,8 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def base_url(url: str) -> str:
-    url = url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
+    return url.rstrip("/").removesuffix("/v1")
 
 
 def make_prompt(rng: random.Random, num_words: int) -> str:

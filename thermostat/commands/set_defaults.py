@@ -9,8 +9,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from thermostat.sampling.fields import SamplingParamError
 from thermostat.sampling.generation_config import update_generation_config
-from thermostat.sampling.params import SamplingParamError
 from thermostat.sampling.recommendations import recommendation_for
 
 HELP = "edit a model directory's generation_config.json (keeps a .bak)"

@@ -2,10 +2,10 @@
 token to the decode server that continues it, behind SGLang's router (smg).
 
 - `wire`: the framed binary protocol (frames, tensor packing) over asyncio streams.
-- `bootstrap`: the prefill side's room table and bootstrap server, and the decode side's `claim`.
+- `rooms`: the prefill's room table; `bootstrap`: its TCP server and the decode side's `claim`.
 - `handoff`: what one choice's handoff carries, and the check that both halves agree.
 - `router`: the `smg launch` command line, set to fail fast.
-- `launcher`: `thermostat pd`, prefill + decode + smg on one host.
+- `launcher`: `thermostat pd`, prefill + decode + smg on one host (`children`: its processes).
 
 The server side of the two roles is `thermostat.server.disaggregation`.
 """

@@ -70,15 +70,10 @@ def disagreements(prefill: dict[str, Any], decode: dict[str, Any]) -> list[str]:
     """Each way the prefill's fingerprint differs from the decode's, as a sentence; [] if
     none. Sampling differences name the field, both values and both sources."""
     found = []
-    if prefill.get("model") != decode["model"]:
-        found.append(f"model: prefill {prefill.get('model')}, decode {decode['model']}")
-    if prefill.get("kv_cache") != decode["kv_cache"]:
-        found.append(f"KV cache: prefill {prefill.get('kv_cache')}, decode {decode['kv_cache']}")
-    if prefill.get("prompt") != decode["prompt"]:
-        found.append(
-            f"prompt tokens: prefill {prefill.get('prompt')}, decode {decode['prompt']} "
-            "(another tokenizer or chat template?)"
-        )
+    for key, label in (("model", "model"), ("kv_cache", "KV cache"), ("prompt", "prompt tokens")):
+        if prefill.get(key) != decode[key]:
+            hint = " (another tokenizer or chat template?)" if key == "prompt" else ""
+            found.append(f"{label}: prefill {prefill.get(key)}, decode {decode[key]}{hint}")
     theirs = prefill.get("sampling", {})
     mine = decode["sampling"]
     values, sources = theirs.get("effective", {}), theirs.get("source", {})

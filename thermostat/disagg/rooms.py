@@ -60,7 +60,6 @@ class _Room:
     handoff: PackedHandoff | None = None  # until taken
     error: RoomError | None = None  # from fail, until taken
     waiter: asyncio.Future[None] | None = None  # a take waiting for the room to arrive
-    expiry: asyncio.TimerHandle | None = None
 
 
 class RoomTable:
@@ -116,8 +115,7 @@ class RoomTable:
         if entry.arrived:
             raise ValueError(f"room {room} was already put or failed")
         entry.arrived, entry.handoff, entry.error = True, handoff, error
-        loop = asyncio.get_running_loop()
-        entry.expiry = loop.call_later(self.ttl_s, self._expire, room, entry)
+        asyncio.get_running_loop().call_later(self.ttl_s, self._expire, room, entry)
         if entry.waiter is not None and not entry.waiter.done():
             entry.waiter.set_result(None)
 

@@ -27,8 +27,6 @@ from transformers import PreTrainedTokenizerBase
 
 from thermostat.sampling.structured import ConstraintError, StructuredOutput
 
-__all__ = ["Bitmask", "Constraint", "ConstraintCompiler", "ConstraintError", "allowed_ids"]
-
 Bitmask = npt.NDArray[np.int32]
 CACHE_SIZE = 256  # compiled grammars kept per engine
 

@@ -28,7 +28,8 @@ from thermostat.engine.steps import Handoff, RunnerOutput, TokenLogprobs
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import resolve_kv_dtype
 from thermostat.sampling.fanout import Plan, plan
-from thermostat.sampling.params import SamplingParamError, SamplingParams
+from thermostat.sampling.fields import SamplingParamError
+from thermostat.sampling.params import SamplingParams
 from thermostat.sampling.resolve import SamplingDefaults, resolve
 
 log = logging.getLogger("thermostat.engine")

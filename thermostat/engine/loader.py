@@ -16,7 +16,6 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from thermostat import kernels
-from thermostat.kernels import CpuOps
 from thermostat.models.fp8_weights import BlockFP8
 from thermostat.models.registry import ArchFacts, CausalLM, model_class
 from thermostat.sampling.generation_config import (
@@ -44,7 +43,7 @@ class LoadedModel:
     generation_config: GenerationConfigDefaults
     dtype: torch.dtype
     max_model_len: int
-    ops: CpuOps | None = None  # the compiled kernels the model (and its KV cache) may use
+    ops: kernels.CpuOps | None = None  # the compiled kernels the model (and its KV cache) may use
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -28,19 +28,13 @@ class RunnerRequest:
     output_token_ids: list[int] = field(default_factory=list)
 
 
+@dataclass(eq=False)
 class ModelRunner:
-    def __init__(
-        self,
-        model: CausalLM,
-        cache: PagedKVCache,
-        block_size: int,
-        sliding_window: int | None = None,
-    ) -> None:
-        self.model = model
-        self.cache = cache
-        self.block_size = block_size
-        self.sliding_window = sliding_window
-        self.requests: dict[str, RunnerRequest] = {}
+    model: CausalLM
+    cache: PagedKVCache
+    block_size: int
+    sliding_window: int | None = None
+    requests: dict[str, RunnerRequest] = field(default_factory=dict, init=False)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         for req_id in out.finished_ids:

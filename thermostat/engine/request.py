@@ -9,12 +9,11 @@ hits (computed tokens start above zero), decode (behind by one) and recompute af
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from thermostat.engine.block_manager import hash_block_tokens
 from thermostat.engine.constraint import Constraint
+from thermostat.engine.output_text import OutputText
 from thermostat.engine.steps import Handoff
 from thermostat.sampling.params import EffectiveParams
 
@@ -23,14 +22,6 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class TextStops(Protocol):
-    """The text-level stop conditions of a request (engine/output_text.py)."""
-
-    def add(self, token_id: int) -> str | None:
-        """Feed a generated token; return what ends the text here (stop_reason), else None."""
-        ...
 
 
 @dataclass
@@ -49,7 +40,7 @@ class Request:
     finish_reason: str | None = None
     # the stop token id, stop string or "loop" of a "stop"; "constraint_dead_end" of an "error"
     stop_reason: str | int | None = None
-    text: TextStops | None = None  # None: no text-level stop conditions (token ids only)
+    text: OutputText | None = None  # None: no text-level stop conditions (token ids only)
     constraint: Constraint | None = None  # structured output: the grammar's state
     # Disaggregation. A handoff request ends ("handoff") once its first token is sampled;
     # `handoff_slots` are then the cache slots of its prompt. A request can also start from
@@ -58,7 +49,6 @@ class Request:
     handoff: bool = False
     handoff_slots: list[int] | None = None
     from_handoff: Handoff | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
 
     @property
     def max_tokens(self) -> int:

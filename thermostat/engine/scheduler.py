@@ -13,7 +13,6 @@ from collections import deque
 
 from thermostat.engine.block_manager import BlockManager
 from thermostat.engine.config import SchedulerConfig
-from thermostat.engine.constraint import ConstraintError
 from thermostat.engine.request import Request, RequestStatus
 from thermostat.engine.steps import (
     NewRequestData,
@@ -23,6 +22,7 @@ from thermostat.engine.steps import (
     SchedulerOutput,
 )
 from thermostat.errors import InvalidRequest
+from thermostat.sampling.structured import ConstraintError
 
 
 class Scheduler:

@@ -8,7 +8,6 @@ OpenAI-compatible upstream (vLLM, SGLang, llama.cpp, a router). Torch-free.
 | kinds.py     | per upstream kind: field names, what it cannot take              |
 | discovery.py | what the upstream tells at startup: kind, model, defaults        |
 | defaults.py  | the layers (the upstream one of them) and a request's resolution |
-| tools.py     | a forced tool call's constraint, as reported                     |
 | forward.py   | the body sent upstream: effective values explicit                |
 | relay.py     | responses and streams passed on with `sampling` and `quality`    |
 | fold.py      | a stream folded into a whole response (--stop-on-loop)           |
@@ -16,7 +15,6 @@ OpenAI-compatible upstream (vLLM, SGLang, llama.cpp, a router). Torch-free.
 | state.py     | lifecycle: discovery, readiness, in-flight count, drain          |
 | routes.py    | the HTTP routes                                                  |
 | app.py       | the FastAPI app                                                  |
-| launch.py    | uvicorn with readiness and drain                                 |
 | command.py   | `thermostat gateway`                                             |
 
 Load balancing is not here: put the gateway in front of the router.

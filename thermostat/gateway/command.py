@@ -15,11 +15,10 @@ from thermostat.api.arguments import (
     add_stop_on_loop_argument,
 )
 from thermostat.api.config import edge_options
-from thermostat.api.lifecycle import serve_until_stopped
+from thermostat.api.lifecycle import DrainingServer, serve_until_stopped
 from thermostat.gateway.app import create_gateway_app
 from thermostat.gateway.config import GatewayConfig
 from thermostat.gateway.kinds import KINDS
-from thermostat.gateway.launch import GatewayServer
 
 HELP = "serve Thermostat's sampling policy in front of vLLM, SGLang, llama.cpp or any OpenAI API"
 EPILOG = """examples:
@@ -81,4 +80,4 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"thermostat gateway: error: {exc}", file=sys.stderr)
         return 2
-    return serve_until_stopped(GatewayServer(create_gateway_app(config), config))
+    return serve_until_stopped(DrainingServer(create_gateway_app(config), config))

@@ -144,21 +144,18 @@ class GatewayDefaults:
 
     def _supported(self, resolution: Resolution, params: SamplingParams) -> Resolution:
         eff, dropped, adjusted = resolution.effective, {}, list(resolution.adjusted)
+        refused = f"the upstream ({self.kind.name}) does not support it"
         for name in LAYERED_FIELDS:
             value = getattr(eff, name)
             if self.kind.supports(name) or self.kind.neutral(name, value):
                 continue
             if resolution.source[name] == "request":
-                raise SamplingParamError(
-                    name, f"the upstream ({self.kind.name}) does not support it"
-                )
+                raise SamplingParamError(name, refused)
             dropped[name] = BUILTIN[name]
             adjusted.append(Adjustment(name, value, BUILTIN[name], "upstream_unsupported"))
         for name in sorted(self.kind.unsupported - set(LAYERED_FIELDS)):
             if getattr(params, name, None) not in (None, False):
-                raise SamplingParamError(
-                    name, f"the upstream ({self.kind.name}) does not support it"
-                )
+                raise SamplingParamError(name, refused)
         if not dropped:
             return resolution
         return dataclasses.replace(

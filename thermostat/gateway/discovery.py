@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from thermostat.gateway.kinds import KINDS
 from thermostat.gateway.upstream import Upstream
 from thermostat.sampling.fields import FIELD, LAYERED_FIELDS, SamplingParamError
 from thermostat.sampling.generation_config import (
@@ -102,16 +101,11 @@ def _local_model(path: Any, info: UpstreamInfo) -> None:
     info.notes.append(f"generation_config.json read from the upstream's model path {path}")
 
 
-async def _json(upstream: Upstream, path: str) -> Any:
-    """The JSON body of a GET that answers 200, else None."""
-    return await upstream.probe(path)
-
-
 async def discover(upstream: Upstream, kind: str) -> UpstreamInfo:
     """Ask the upstream; `kind` is a KINDS name or "auto". Raises APIError (502/504) when the
     upstream cannot be reached at all."""
     info = await _discover(upstream, kind)
-    props = await _json(upstream, "/props") if info.kind == "llamacpp" else None
+    props = await upstream.probe("/props") if info.kind == "llamacpp" else None
     _context_len(info, props)
     return info
 
@@ -120,13 +114,13 @@ async def _discover(upstream: Upstream, kind: str) -> UpstreamInfo:
     models = await upstream.models()
     info = UpstreamInfo(kind="openai" if kind == "auto" else kind, models=models)
     if kind in ("auto", "thermostat"):
-        report = await _json(upstream, "/v1/sampling/defaults")
+        report = await upstream.probe("/v1/sampling/defaults")
         if isinstance(report, dict) and isinstance(report.get("effective"), dict):
             info.kind = "thermostat"
             _thermostat(report, info)
             return info
     if kind in ("auto", "llamacpp"):
-        props = await _json(upstream, "/props")
+        props = await upstream.probe("/props")
         if isinstance(props, dict) and "default_generation_settings" in props:
             info.kind = "llamacpp"
             params = props["default_generation_settings"].get("params", {})
@@ -136,7 +130,7 @@ async def _discover(upstream: Upstream, kind: str) -> UpstreamInfo:
             return info
     if kind in ("auto", "sglang"):
         for path in ("/get_model_info", "/server_info"):
-            got = await _json(upstream, path)
+            got = await upstream.probe(path)
             if isinstance(got, dict) and "model_path" in got:
                 info.kind = "sglang"
                 _local_model(got.get("model_path"), info)
@@ -169,6 +163,3 @@ def _thermostat(report: dict[str, Any], info: UpstreamInfo) -> None:
     if rec.get("family"):
         info.model_config = {"thermostat_family": rec["family"]}
     info.notes.append("Thermostat reports its defaults with sources (/v1/sampling/defaults)")
-
-
-__all__ = ["KINDS", "UpstreamInfo", "discover"]

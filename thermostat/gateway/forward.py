@@ -12,12 +12,11 @@ one, named as the upstream's kind names it; and the client's disconnect, which c
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any
 
 from thermostat.gateway.defaults import GatewayDefaults, Resolved
 from thermostat.sampling import LAYERED_FIELDS
 
-T = TypeVar("T")
 _REPLACED = (*LAYERED_FIELDS, "max_tokens", "max_completion_tokens", "seed", "repeat_penalty")
 
 

@@ -4,7 +4,7 @@ the upstream's errors and latency. The engine's gauges are not exported: there i
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram, generate_latest
+from prometheus_client import Counter, Histogram
 
 from thermostat.api.metrics import LATENCY_BUCKETS, Metrics
 
@@ -31,6 +31,3 @@ class GatewayMetrics(Metrics):
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-
-    def render_gateway(self) -> bytes:
-        return generate_latest(self.registry)

@@ -23,16 +23,11 @@ from thermostat.gateway.upstream import bad_response
 from thermostat.quality import StreamingAnalyzer, quality_report
 
 
-def choice_text(choice: dict[str, Any]) -> str:
-    """A whole response choice's text (chat `message.content` or completions `text`)."""
-    message = choice.get("message")
-    text = message.get("content") if isinstance(message, dict) else choice.get("text")
-    return text if isinstance(text, str) else ""
-
-
-def delta_text(choice: dict[str, Any]) -> str:
-    delta = choice.get("delta")
-    text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+def choice_text(choice: dict[str, Any], part: str) -> str:
+    """A choice's text: chat `message.content` (part "message") or a chunk's `delta.content`
+    (part "delta"), else completions `text`."""
+    inner = choice.get(part)
+    text = inner.get("content") if isinstance(inner, dict) else choice.get("text")
     return text if isinstance(text, str) else ""
 
 
@@ -63,7 +58,7 @@ def annotate(
         mine = per_choice(choice.get("index", 0)) if per_choice else sampling
         if mine != sampling:
             choice["sampling"] = mine | ({"upstream": theirs} if isinstance(theirs, dict) else {})
-        choice["quality"] = quality_report(choice_text(choice))
+        choice["quality"] = quality_report(choice_text(choice, "message"))
         reports.append(choice["quality"])
     data["sampling"] = _with_sampling(data, sampling)
     data["quality"] = response_quality(reports)
@@ -106,7 +101,7 @@ class StreamAnnotator:
             if index in self.finished:
                 continue  # stopped here on a loop: the upstream's rest is dropped
             analyzer = self.analyzers.setdefault(index, StreamingAnalyzer())
-            text = delta_text(choice)
+            text = choice_text(choice, "delta")
             self.first_content = self.first_content or bool(text)
             state = analyzer.update(text)
             choice.pop("sampling", None)

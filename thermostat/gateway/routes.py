@@ -19,11 +19,11 @@ from thermostat.api.errors import APIError
 from thermostat.api.protocol import ChatCompletionRequest, CompletionRequest
 from thermostat.api.request_params import read_body, to_sampling_params
 from thermostat.api.responses import sse
+from thermostat.api.tools import tool_constraint
 from thermostat.gateway.fold import Fold
 from thermostat.gateway.forward import upstream_body
 from thermostat.gateway.relay import Sampling, StreamAnnotator, annotate
 from thermostat.gateway.state import GatewayState
-from thermostat.gateway.tools import tool_constraint
 from thermostat.gateway.upstream import UpstreamError
 from thermostat.sampling import GreedyRejected
 
@@ -62,7 +62,7 @@ def _count_usage(state: GatewayState, usage: Any) -> None:
 async def metrics(request: Request) -> Response:
     from prometheus_client import CONTENT_TYPE_LATEST
 
-    return Response(_state(request).metrics.render_gateway(), media_type=CONTENT_TYPE_LATEST)
+    return Response(_state(request).metrics.render(None), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/models")

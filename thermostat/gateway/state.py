@@ -99,9 +99,7 @@ class GatewayState(Lifecycle):
         log.info("upstream %s: kind %s, model %r", self.config.upstream, d.info.kind, d.info.model)
         for note in d.info.notes:
             log.info("upstream: %s", note)
-        log.info("sampling defaults\n%s", d.render_table().rstrip())
-        for warning in d.warnings():
-            log.warning("sampling: %s", warning)
+        self.report_defaults(d.render_table(), d.warnings())
 
     async def upstream_alive(self) -> bool:
         """The upstream answered its health check, as of at most HEALTH_TTL_S ago."""

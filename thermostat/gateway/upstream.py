@@ -78,10 +78,7 @@ class Upstream:
 
     async def probe(self, path: str) -> Any:
         """The JSON of a GET answered 200, or None (any other answer, or not JSON)."""
-        try:
-            r = await self.http.get(path)
-        except httpx.HTTPError as exc:
-            raise transport_error(exc, self.url) from exc
+        r = await self.get_raw(path)
         if r.status_code != 200:
             return None
         try:
@@ -111,12 +108,7 @@ class Upstream:
 
     async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """A whole (non-streamed) response's JSON object; raises APIError."""
-        start = time.monotonic()
-        try:
-            r = await self.http.post(path, json=body)
-        except httpx.HTTPError as exc:
-            raise transport_error(exc, self.url) from exc
-        self.last_latency_s = time.monotonic() - start
+        r = await self._send(path, body, stream=False)
         if r.status_code >= 400:
             raise status_error(r.status_code, r.text, r.headers)
         try:
@@ -129,13 +121,7 @@ class Upstream:
 
     async def stream(self, path: str, body: dict[str, Any]) -> httpx.Response:
         """An open streamed response (status checked); the caller must `aclose()` it."""
-        start = time.monotonic()
-        request = self.http.build_request("POST", path, json=body)
-        try:
-            r = await self.http.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise transport_error(exc, self.url) from exc
-        self.last_latency_s = time.monotonic() - start
+        r = await self._send(path, body, stream=True)
         if r.status_code >= 400:
             try:
                 text = (await r.aread()).decode(errors="replace")
@@ -144,6 +130,17 @@ class Upstream:
             finally:
                 await r.aclose()
             raise status_error(r.status_code, text, r.headers)
+        return r
+
+    async def _send(self, path: str, body: dict[str, Any], stream: bool) -> httpx.Response:
+        """POST `body`; the time to the answer's head is `last_latency_s`."""
+        start = time.monotonic()
+        request = self.http.build_request("POST", path, json=body)
+        try:
+            r = await self.http.send(request, stream=stream)
+        except httpx.HTTPError as exc:
+            raise transport_error(exc, self.url) from exc
+        self.last_latency_s = time.monotonic() - start
         return r
 
     async def events(self, response: httpx.Response) -> AsyncIterator[dict[str, Any]]:

@@ -54,6 +54,30 @@ class PrefillRun:
     length: int
     segment: PrefillSegment | None  # None: a batched run of fresh sequences
 
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, enable_gqa: bool
+    ) -> torch.Tensor:
+        """The run's SDPA call: q [end - start, Hq, D] over k, v [L, Hkv, D] (the run's own rows
+        for fresh sequences, else the segment's context of ctx_len) -> [end - start, Hq, Dv]."""
+        if self.segment is None:
+            shape = (self.count, self.length)
+            qs, ks, vs = (torch.unflatten(t, 0, shape).transpose(1, 2) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(  # [n, Hq, q_len, Dv]
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=enable_gqa
+            )
+            return o.transpose(1, 2).flatten(0, 1)
+        mask = self.segment.mask
+        o = F.scaled_dot_product_attention(  # [Hq, q_len, Dv]
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+        return o.transpose(0, 1)
+
 
 def prefill_runs(
     segments: list[PrefillSegment], start: int, quantized: bool
@@ -100,27 +124,9 @@ def paged_attention(
     for run in prefill_runs(meta.prefills, nd, cache.spec.quantized):
         start, end, seg = run.start, run.end, run.segment
         if seg is None:  # fresh sequences: the context is the chunk itself
-            shape = (run.count, run.length)
-            qs, ks, vs = (torch.unflatten(t[start:end], 0, shape) for t in (q, k, v))
-            o = F.scaled_dot_product_attention(
-                qs.transpose(1, 2),  # [n, Hq, q_len, D]
-                ks.transpose(1, 2),
-                vs.transpose(1, 2),
-                is_causal=True,
-                scale=scale,
-                enable_gqa=True,
-            )
-            out[start:end] = o.transpose(1, 2).flatten(0, 1)
-            continue
-        ck, cv = cache.gather(layer, seg.block_table)
-        o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1),  # [Hq, q_len, D]
-            ck[0, : seg.ctx_len].transpose(0, 1),
-            cv[0, : seg.ctx_len].transpose(0, 1),
-            attn_mask=seg.mask,
-            is_causal=seg.mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[start:end] = o.transpose(0, 1)
+            ks, vs = k[start:end], v[start:end]
+        else:
+            ck, cv = cache.gather(layer, seg.block_table)
+            ks, vs = ck[0, : seg.ctx_len], cv[0, : seg.ctx_len]
+        out[start:end] = run.attend(q[start:end], ks, vs, scale, enable_gqa=True)
     return out

@@ -25,6 +25,7 @@ bit-exact whatever the block sizes of the two caches.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -111,41 +112,38 @@ class PagedKVCache:
     def export(self, slots: torch.Tensor) -> KVRows:
         """The rows of the token slots `slots` [T] int64 (a sequence's positions 0..T-1), every
         layer and component, copied out as stored."""
-        tensors: dict[str, torch.Tensor] = {}
-        for c in self.spec.components:
-            layers = range(self.spec.num_layers)
-            tensors[c.name] = torch.stack(
-                [_slots(self.store[c.name][i]).index_select(0, slots) for i in layers]
-            )
-            if c.quantized:
-                tensors[f"{c.name}.scale"] = torch.stack(
-                    [_slots(self.scales[c.name][i]).index_select(0, slots) for i in layers]
-                )
+        tensors = {
+            name: torch.stack([_slots(t).index_select(0, slots) for t in stored])
+            for name, stored in self._row_tensors()
+        }
         return KVRows(len(slots), tensors)
 
     def load(self, slots: torch.Tensor, rows: KVRows) -> None:
         """Write `rows` (exported from a cache of an equal spec description) into `slots` [T].
         Raises ValueError if their shapes or dtypes are not this cache's."""
         self.check_rows(rows, len(slots))
-        for c in self.spec.components:
-            for i in range(self.spec.num_layers):
-                _slots(self.store[c.name][i]).index_copy_(0, slots, rows.tensors[c.name][i])
-                if c.quantized:
-                    scale = rows.tensors[f"{c.name}.scale"][i]
-                    _slots(self.scales[c.name][i]).index_copy_(0, slots, scale)
+        for name, stored in self._row_tensors():
+            for i, t in enumerate(stored):
+                _slots(t).index_copy_(0, slots, rows.tensors[name][i])
 
     def check_rows(self, rows: KVRows, num_tokens: int) -> None:
         """Raises ValueError unless `rows` are `num_tokens` tokens with this cache's tensor shapes
         and dtypes."""
-        expected: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        for c in self.spec.components:
-            shape = (self.spec.num_layers, num_tokens, *c.per_token_shape)
-            expected[c.name] = (shape, self.store[c.name][0].dtype)
-            if c.quantized:
-                expected[f"{c.name}.scale"] = ((*shape[:-1], 1), torch.float32)
+        expected = {
+            name: ((self.spec.num_layers, num_tokens, *stored[0].shape[2:]), stored[0].dtype)
+            for name, stored in self._row_tensors()
+        }
         got = {name: (tuple(t.shape), t.dtype) for name, t in rows.tensors.items()}
         if rows.num_tokens != num_tokens or got != expected:
             raise ValueError(f"KV rows {got} do not fit {num_tokens} tokens here ({expected})")
+
+    def _row_tensors(self) -> Iterator[tuple[str, list[torch.Tensor]]]:
+        """What a token's rows are, by their KVRows name: each component's per-layer tensors as
+        stored, then its scales when it is fp8."""
+        for c in self.spec.components:
+            yield c.name, self.store[c.name]
+            if c.quantized:
+                yield f"{c.name}.scale", self.scales[c.name]
 
     def _write_compiled(
         self, layer: int, values: tuple[torch.Tensor, ...], slots: torch.Tensor

@@ -206,23 +206,8 @@ class MLAttention(nn.Module):
             start, end, seg = run.start, run.end, run.segment
             if seg is None:  # fresh sequences: their own new latents are the context
                 k, v = self._expand(latent[start:end])
-                shape = (run.count, run.length)
-                qs, ks, vs = (torch.unflatten(a, 0, shape) for a in (query[start:end], k, v))
-                o = F.scaled_dot_product_attention(
-                    qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
-                    is_causal=True, scale=scale,
-                )  # fmt: skip
-                out[start:end] = o.transpose(1, 2).flatten(0, 1)
-                continue
-            (ctx,) = cache.gather(self.layer, seg.block_table)
-            k, v = self._expand(ctx[0, : seg.ctx_len])
-            o = F.scaled_dot_product_attention(
-                query[start:end].transpose(0, 1),  # [H, q_len, dn + dr]
-                k.transpose(0, 1),
-                v.transpose(0, 1),
-                attn_mask=seg.mask,
-                is_causal=seg.mask is None,
-                scale=scale,
-            )
-            out[start:end] = o.transpose(0, 1)
+            else:
+                (ctx,) = cache.gather(self.layer, seg.block_table)
+                k, v = self._expand(ctx[0, : seg.ctx_len])
+            out[start:end] = run.attend(query[start:end], k, v, scale, enable_gqa=False)
         return out

@@ -3,13 +3,14 @@ the gateway uses this package without an engine."""
 
 from __future__ import annotations
 
-from thermostat.sampling.fields import FIELDS, Bound, SamplingField
-from thermostat.sampling.params import (
+from thermostat.sampling.fields import (
+    FIELDS,
     LAYERED_FIELDS,
-    EffectiveParams,
+    Bound,
+    SamplingField,
     SamplingParamError,
-    SamplingParams,
 )
+from thermostat.sampling.params import EffectiveParams, SamplingParams
 from thermostat.sampling.resolve import (
     Adjustment,
     GreedyRejected,

@@ -30,15 +30,11 @@ def per_sample(resolution: Resolution, n: int) -> list[Resolution]:
     """The resolution of each of `n` samples. Sample j of a seeded request gets seed + j, so the
     samples differ from each other and each is reproducible; unseeded samples share the
     resolution as is."""
-    children = [resolution]
-    for j in range(1, n):
-        seed = resolution.effective.seed
-        if seed is None:
-            children.append(resolution)
-        else:
-            effective = dataclasses.replace(resolution.effective, seed=seed + j)
-            children.append(dataclasses.replace(resolution, effective=effective))
-    return children
+    seed = resolution.effective.seed
+    if seed is None:
+        return [resolution] * max(n, 1)
+    effective = [dataclasses.replace(resolution.effective, seed=seed + j) for j in range(1, n)]
+    return [resolution, *(dataclasses.replace(resolution, effective=e) for e in effective)]
 
 
 def plan(

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from thermostat.sampling.params import LAYERED_FIELDS, SamplingParamError, validate_layered
+from thermostat.sampling.fields import LAYERED_FIELDS, SamplingParamError
+from thermostat.sampling.params import validate_layered
 
 FILENAME = "generation_config.json"
 

@@ -9,24 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from thermostat.sampling.fields import (
-    BUILTIN,
     FIELD,
     FIELDS,
-    LAYERED_FIELDS,
     REPORTED_FIELDS,
     SamplingParamError,
 )
 from thermostat.sampling.structured import StructuredOutput
-
-__all__ = [
-    "BUILTIN",
-    "LAYERED_FIELDS",
-    "EffectiveParams",
-    "SamplingParamError",
-    "SamplingParams",
-    "StructuredOutput",
-    "validate_layered",
-]
 
 
 def validate_layered(name: str, value: Any) -> None:

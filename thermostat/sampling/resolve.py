@@ -26,17 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from thermostat.errors import InvalidRequest
-from thermostat.sampling.fields import check_operator
-from thermostat.sampling.params import (
-    BUILTIN,
-    LAYERED_FIELDS,
-    EffectiveParams,
-    SamplingParamError,
-    SamplingParams,
-    validate_layered,
-)
-
-SOURCES = ("request", "operator", "recommended", "generation_config", "builtin")
+from thermostat.sampling.fields import BUILTIN, LAYERED_FIELDS, SamplingParamError, check_operator
+from thermostat.sampling.params import EffectiveParams, SamplingParams, validate_layered
 
 
 class GreedyRejected(InvalidRequest):

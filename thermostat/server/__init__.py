@@ -1,18 +1,18 @@
 """The OpenAI-compatible HTTP server: FastAPI over an engine thread.
 
-`create_app(ServerConfig)` builds the app; `launch.ThermostatServer` runs it with uvicorn,
-a startup report, readiness and a graceful drain on SIGTERM. Both (and with them the engine and
-torch) are imported on first use, so the torch-free modules here (protocol, request_params,
-errors, metrics, middleware, body_limits) serve the gateway where torch is not installed.
+`create_app(ServerConfig)` builds the app (imported on first use, and with it the engine and
+torch); `api.lifecycle.DrainingServer` runs it with uvicorn, a startup report, readiness and a
+graceful drain on SIGTERM.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from thermostat.server.config import ServerConfig
+
 if TYPE_CHECKING:
     from thermostat.server.app import create_app
-    from thermostat.server.config import ServerConfig
 
 __all__ = ["ServerConfig", "create_app"]
 
@@ -22,8 +22,4 @@ def __getattr__(name: str) -> Any:
         from thermostat.server.app import create_app
 
         return create_app
-    if name == "ServerConfig":
-        from thermostat.server.config import ServerConfig
-
-        return ServerConfig
     raise AttributeError(f"module 'thermostat.server' has no attribute {name!r}")

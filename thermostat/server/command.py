@@ -16,7 +16,7 @@ from thermostat.api.arguments import (
     add_stop_on_loop_argument,
 )
 from thermostat.api.config import edge_options
-from thermostat.api.lifecycle import serve_until_stopped
+from thermostat.api.lifecycle import DrainingServer, serve_until_stopped
 from thermostat.api.tool_parsers import PARSERS
 from thermostat.engine.config import EngineConfig
 from thermostat.server.config import ServerConfig
@@ -124,7 +124,6 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
 
 def run(args: argparse.Namespace) -> int:
     from thermostat.server.app import create_app  # the engine and torch: not for `--help`
-    from thermostat.server.launch import ThermostatServer
 
     try:
         config = config_from(args)
@@ -132,4 +131,4 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # ModelLoadError is one
         print(f"thermostat serve: error: {exc}", file=sys.stderr)
         return 2
-    return serve_until_stopped(ThermostatServer(app, config))
+    return serve_until_stopped(DrainingServer(app, config))

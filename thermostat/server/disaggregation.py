@@ -104,35 +104,23 @@ class Rooms:
         return f"{self.host}:{self.port}"
 
 
+@dataclass(eq=False)
 class Role:
     """What both halves know: what they serve (for the fingerprint) and how long to wait."""
 
-    def __init__(
-        self,
-        model: dict[str, str],
-        kv_cache: dict[str, object],
-        timeout_s: float,
-        metrics: Metrics,
-    ) -> None:
-        self.model = model  # disagg.handoff.model_identity
-        self.kv_cache = kv_cache  # KVCacheSpec.describe()
-        self.timeout_s = timeout_s
-        self.metrics = metrics
+    model: dict[str, str]  # disagg.handoff.model_identity
+    kv_cache: dict[str, object]  # KVCacheSpec.describe()
+    timeout_s: float
+    metrics: Metrics
 
 
+@dataclass(eq=False)
 class PrefillRole(Role):
     """Parks each choice's handoff under its room until its decode claims it."""
 
-    def __init__(
-        self,
-        model: dict[str, str],
-        kv_cache: dict[str, object],
-        timeout_s: float,
-        metrics: Metrics,
-    ) -> None:
-        super().__init__(model, kv_cache, timeout_s, metrics)
-        self.table = RoomTable(ttl_s=timeout_s)
-        self.server = BootstrapServer(self.table, claim_timeout_s=timeout_s)
+    def __post_init__(self) -> None:
+        self.table = RoomTable(ttl_s=self.timeout_s)
+        self.server = BootstrapServer(self.table, claim_timeout_s=self.timeout_s)
 
     async def start(self, host: str, port: int) -> None:
         await self.server.start(host, port)
@@ -178,19 +166,11 @@ class PrefillRole(Role):
         }
 
 
+@dataclass(eq=False)
 class DecodeRole(Role):
     """Claims each choice's handoff and checks it before the choices are admitted."""
 
-    def __init__(
-        self,
-        model: dict[str, str],
-        kv_cache: dict[str, object],
-        timeout_s: float,
-        metrics: Metrics,
-        name: str,
-    ) -> None:
-        super().__init__(model, kv_cache, timeout_s, metrics)
-        self.name = name  # how this decode introduces itself to a prefill
+    name: str  # how this decode introduces itself to a prefill
 
     async def fetch(
         self,
@@ -255,9 +235,9 @@ async def _all_or_none(claims: list[Coroutine[Any, Any, Handoff]]) -> list[Hando
             task.cancel()
 
 
+_ROOM_ERRORS = {"timeout": (504, "prefill_timeout"), "refused": (502, "prefill_refused")}
+
+
 def _room_error(exc: RoomError) -> APIError:
-    if exc.code == "timeout":
-        return APIError(504, str(exc), type="server_error", code="prefill_timeout")
-    if exc.code == "refused":
-        return APIError(502, str(exc), type="server_error", code="prefill_refused")
-    return APIError(502, str(exc), type="server_error", code="prefill_unreachable")
+    status, code = _ROOM_ERRORS.get(exc.code, (502, "prefill_unreachable"))
+    return APIError(status, str(exc), type="server_error", code=code)

@@ -55,10 +55,6 @@ class OutputStream:
         self._index = {q.req_id: q.index for q in queued}
         self._unfinished = set(self._index)
 
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
-
     def __aiter__(self) -> OutputStream:
         return self
 

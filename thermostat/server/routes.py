@@ -4,6 +4,7 @@ builds the prompt, submits, and returns or streams; everything else lives in the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from importlib.metadata import version
 from typing import Any
@@ -48,10 +49,7 @@ def _json(model: BaseModel) -> Response:
 
 
 def _sse(request: Request, chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
-    def on_error(err: APIError) -> None:
-        if err.status >= 500:
-            count_server_error(request, err)
-
+    on_error = functools.partial(count_server_error, request)
     return sse((chunk.model_dump_json() async for chunk in chunks), on_error)
 
 

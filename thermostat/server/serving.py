@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from starlette.requests import Request
 
@@ -41,7 +41,6 @@ from thermostat.server.engine_io import GroupInput, OutputStream
 from thermostat.server.prompts import Prompt
 
 request_log = logging.getLogger("thermostat.requests")
-T = TypeVar("T")
 
 
 @dataclass
@@ -81,9 +80,6 @@ class Job:
     def sampling(self, index: int = 0) -> dict[str, Any]:
         """The `sampling` object of choice `index` (choice 0's is the response's)."""
         return self.resolution(index).to_dict() | self.sampling_extra
-
-    def choice(self, index: int) -> Completion:
-        return self.choices.setdefault(index, Completion())
 
     def usage(self) -> Usage:
         """Tokens so far: each prompt once (and its prefix-cache hits, as its first sample
@@ -126,12 +122,8 @@ class Job:
         return self.header() | {
             "usage": self.usage(),
             "sampling": self.sampling(),
-            "quality": self.response_quality(),
+            "quality": response_quality([self.quality[i] for i in sorted(self.quality)]),
         }
-
-    def response_quality(self) -> dict[str, Any]:
-        """The response's `quality`: the first degenerate choice's report, else choice 0's."""
-        return response_quality([self.quality[i] for i in sorted(self.quality)])
 
     async def events(self) -> AsyncIterator[tuple[int, RequestDelta]]:
         """Deltas as they come, each already added to its choice; on any exit the unfinished
@@ -163,7 +155,7 @@ class Job:
 
     def _observe(self, index: int, delta: RequestDelta) -> None:
         now = time.monotonic()
-        choice = self.choice(index)
+        choice = self.choices.setdefault(index, Completion())
         choice.add(delta)
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs[index] = delta.prompt_logprobs
@@ -213,26 +205,17 @@ class Job:
         request_log.info(json.dumps(line))
 
 
+@dataclass(eq=False)
 class Serving:
     """Checks and submits requests for one model: model name, queue room, resolution."""
 
-    def __init__(
-        self,
-        model: str,
-        engine: AsyncEngine,
-        defaults: SamplingDefaults,
-        metrics: Metrics,
-        max_queue: int | None,
-        retry_after_s: int,
-        context_len: int,
-    ) -> None:
-        self.model = model
-        self.context_len = context_len
-        self.engine = engine
-        self.defaults = defaults
-        self.metrics = metrics
-        self.max_queue = max_queue
-        self.retry_after_s = retry_after_s
+    model: str
+    engine: AsyncEngine
+    defaults: SamplingDefaults
+    metrics: Metrics
+    max_queue: int | None
+    retry_after_s: int
+    context_len: int
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model:

@@ -55,18 +55,12 @@ class ServerState(Lifecycle):
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Any) -> AsyncIterator[None]:
-        self.report()
+        self.report_defaults(self.defaults.render_table(), self.defaults.warnings())
         self._load_task = asyncio.create_task(self._load())
         try:
             yield
         finally:
             await self.shutdown()
-
-    def report(self) -> None:
-        """The startup report: sampling defaults with sources, then warnings. Logged once."""
-        log.info("sampling defaults\n%s", self.defaults.render_table().rstrip())
-        for warning in self.defaults.warnings():
-            log.warning("sampling: %s", warning)
 
     async def _load(self) -> None:
         cfg, model_dir, defaults = self.config.engine, self.model_dir, self.defaults.layers
@@ -130,7 +124,6 @@ class ServerState(Lifecycle):
         return f"serving {f'{role} half of ' if role else ''}{self.defaults.model!r}"
 
     async def drain(self) -> None:
-        """Wait until no response is in flight (at most drain_timeout_s); idempotent."""
         if self.engine is not None and not await self.engine.drain(self.config.drain_timeout_s):
             log.warning("drain timed out with %d responses in flight", self.engine.num_in_flight)
 
