@@ -174,13 +174,26 @@ def offline(model: Path, batch: int, args: argparse.Namespace) -> float:
 
 
 def random_model(directory: Path) -> Path:
+    """The SmolLM2-135M shape with random weights, and a word-level tokenizer that gives every
+    one of its 49,152 ids a piece of text ("w123"): with the test suite's 300-token tokenizer
+    nearly every generated id decodes to nothing, so a stream would carry no chunks and HTTP's
+    per-chunk work would go unmeasured."""
     import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
     from thermostat.random_model import SMOLLM2_135M, write_model
 
-    return write_model(
+    path = write_model(
         directory / "smollm2-135m-shape", "llama", dtype=torch.bfloat16, **SMOLLM2_135M
     )
+    words = {"<|endoftext|>": 0} | {f"w{i}": i for i in range(1, SMOLLM2_135M["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    eos = "<|endoftext|>"
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=eos)
+    fast.save_pretrained(path)
+    return path
 
 
 def main() -> None:
