@@ -2,12 +2,14 @@
 `KVCacheSpec` (thermostat.models.kv_spec) declares. Layout per layer and component; a token's
 slot is block_id * block_size + offset_in_block:
 
-| tensor              | shape                                              | dtype                 |
-|---------------------|----------------------------------------------------|-----------------------|
-| store[name][layer]  | [num_blocks, block_size, *per_token_shape]         | storage; fp8 as uint8 |
-| scales[name][layer] | [num_blocks, block_size, *per_token_shape[:-1], 1] | float32; fp8 only     |
+| tensor              | shape                                           | dtype                 |
+|---------------------|-------------------------------------------------|-----------------------|
+| store[name][layer]  | [num_blocks, rows, *per_token_shape]            | storage; fp8 as uint8 |
+| scales[name][layer] | [num_blocks, rows, *per_token_shape[:-1], 1]    | float32; fp8 only     |
 
-Scales are empty ([0]) unless the component is fp8_e4m3.
+rows = block_size for a component of rate 1, else its rows per block (kv_spec); a component has
+tensors only for its layers. Scales are empty ([0]) unless the component is fp8_e4m3. `put` and
+`take` write and read a component's flat rows (block_id * rows + row) directly.
 
 Reads gather whole blocks (one index_select of contiguous rows), twice as fast as gathering
 token slots.
@@ -57,15 +59,17 @@ class PagedKVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         self.compute_dtype = compute_dtype
-        self.store: dict[str, list[torch.Tensor]] = {}
-        self.scales: dict[str, list[torch.Tensor]] = {}
+        self.store: dict[str, dict[int, torch.Tensor]] = {}
+        self.scales: dict[str, dict[int, torch.Tensor]] = {}
+        self._components = {c.name: c for c in spec.components}
         for c in spec.components:
-            shape = (num_blocks, spec.block_size, *c.per_token_shape)
+            shape = (num_blocks, c.rows_per_block(spec.block_size), *c.per_token_shape)
             # fp8 is kept as raw bytes: CPU index kernels do not take float8 tensors.
             storage = torch.uint8 if c.quantized else c.dtype
             scale_shape = (*shape[:-1], 1) if c.quantized else (0,)
-            self.store[c.name] = [torch.zeros(shape, dtype=storage) for _ in range(spec.num_layers)]
-            self.scales[c.name] = [torch.ones(scale_shape) for _ in range(spec.num_layers)]
+            layers = c.layer_ids(spec.num_layers)
+            self.store[c.name] = {i: torch.zeros(shape, dtype=storage) for i in layers}
+            self.scales[c.name] = {i: torch.ones(scale_shape) for i in layers}
 
         # The one choice of each path (the table in thermostat.kernels).
         self.ops = ops if spec.is_key_value else None
@@ -109,12 +113,44 @@ class PagedKVCache:
             for c in self.spec.components
         )
 
+    def put(self, name: str, layer: int, x: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store x [N, *per_token_shape] as rows `rows` [N] int64 of component `name`."""
+        c = self._components[name]
+        store = _slots(self.store[name][layer])
+        if c.quantized:
+            x = x.float()
+            scale = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
+            store.index_copy_(0, rows, (x / scale).to(torch.float8_e4m3fn).view(torch.uint8))
+            _slots(self.scales[name][layer]).index_copy_(0, rows, scale)
+        else:
+            store.index_copy_(0, rows, x.to(c.dtype, copy=False))
+
+    def take(self, name: str, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """Rows `rows` (any shape of int64) of component `name` in the compute dtype:
+        [*rows.shape, *per_token_shape]."""
+        c = self._components[name]
+        flat = rows.reshape(-1)
+        x = _slots(self.store[name][layer]).index_select(0, flat)
+        if c.quantized:
+            s = _slots(self.scales[name][layer]).index_select(0, flat)
+            x = (x.view(torch.float8_e4m3fn).float() * s).to(self.compute_dtype)
+        elif x.dtype != self.compute_dtype:
+            x = x.to(self.compute_dtype)
+        return x.view(*rows.shape, *c.per_token_shape)
+
+    def rows_of(self, name: str, slots: torch.Tensor) -> torch.Tensor:
+        """The rows of component `name` whose windows complete within a sequence's tokens
+        0..T-1 held at `slots` [T]: one per `rate` tokens, at the window's last token."""
+        c = self._components[name]
+        ends = slots[c.rate - 1 :: c.rate]
+        return ends // min(c.rate, self.spec.block_size)
+
     def export(self, slots: torch.Tensor) -> KVRows:
         """The rows of the token slots `slots` [T] int64 (a sequence's positions 0..T-1), every
         layer and component, copied out as stored."""
         tensors = {
-            name: torch.stack([_slots(t).index_select(0, slots) for t in stored])
-            for name, stored in self._row_tensors()
+            name: torch.stack([_slots(t).index_select(0, rows) for t in stored])
+            for name, stored, rows in self._row_tensors(slots)
         }
         return KVRows(len(slots), tensors)
 
@@ -122,28 +158,33 @@ class PagedKVCache:
         """Write `rows` (exported from a cache of an equal spec description) into `slots` [T].
         Raises ValueError if their shapes or dtypes are not this cache's."""
         self.check_rows(rows, len(slots))
-        for name, stored in self._row_tensors():
+        for name, stored, at in self._row_tensors(slots):
             for i, t in enumerate(stored):
-                _slots(t).index_copy_(0, slots, rows.tensors[name][i])
+                _slots(t).index_copy_(0, at, rows.tensors[name][i])
 
     def check_rows(self, rows: KVRows, num_tokens: int) -> None:
         """Raises ValueError unless `rows` are `num_tokens` tokens with this cache's tensor shapes
         and dtypes."""
+        slots = torch.arange(num_tokens)
         expected = {
-            name: ((self.spec.num_layers, num_tokens, *stored[0].shape[2:]), stored[0].dtype)
-            for name, stored in self._row_tensors()
+            name: ((len(stored), len(at), *stored[0].shape[2:]), stored[0].dtype)
+            for name, stored, at in self._row_tensors(slots)
         }
         got = {name: (tuple(t.shape), t.dtype) for name, t in rows.tensors.items()}
         if rows.num_tokens != num_tokens or got != expected:
             raise ValueError(f"KV rows {got} do not fit {num_tokens} tokens here ({expected})")
 
-    def _row_tensors(self) -> Iterator[tuple[str, list[torch.Tensor]]]:
-        """What a token's rows are, by their KVRows name: each component's per-layer tensors as
-        stored, then its scales when it is fp8."""
+    def _row_tensors(
+        self, slots: torch.Tensor
+    ) -> Iterator[tuple[str, list[torch.Tensor], torch.Tensor]]:
+        """What a sequence's rows are, by their KVRows name: each component's per-layer tensors
+        as stored (then its scales when it is fp8), and the rows of them that the tokens at
+        `slots` hold."""
         for c in self.spec.components:
-            yield c.name, self.store[c.name]
+            rows = self.rows_of(c.name, slots)
+            yield c.name, list(self.store[c.name].values()), rows
             if c.quantized:
-                yield f"{c.name}.scale", self.scales[c.name]
+                yield f"{c.name}.scale", list(self.scales[c.name].values()), rows
 
     def _write_compiled(
         self, layer: int, values: tuple[torch.Tensor, ...], slots: torch.Tensor
@@ -156,15 +197,7 @@ class PagedKVCache:
         self, layer: int, values: tuple[torch.Tensor, ...], slots: torch.Tensor
     ) -> None:
         for c, x in zip(self.spec.components, values, strict=True):
-            store = self.store[c.name][layer]
-            if c.quantized:
-                x = x.float()
-                scale = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)
-                quantized = (x / scale).to(torch.float8_e4m3fn).view(torch.uint8)
-                _slots(store).index_copy_(0, slots, quantized)
-                _slots(self.scales[c.name][layer]).index_copy_(0, slots, scale)
-            else:
-                _slots(store).index_copy_(0, slots, x.to(c.dtype, copy=False))
+            self.put(c.name, layer, x, slots)
 
     def _decode_compiled(
         self, q: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float
@@ -202,9 +235,9 @@ class PagedKVCache:
     ) -> torch.Tensor:
         b, nb = tables.shape
         flat = tables.reshape(-1)
-        x = store.index_select(0, flat).view(b, nb * self.spec.block_size, *store.shape[2:])
-        if self.spec.quantized:
-            s = scales.index_select(0, flat).view(b, nb * self.spec.block_size, *scales.shape[2:])
+        x = store.index_select(0, flat).view(b, nb * store.shape[1], *store.shape[2:])
+        if store.dtype == torch.uint8:  # fp8
+            s = scales.index_select(0, flat).view(b, nb * store.shape[1], *scales.shape[2:])
             return (x.view(torch.float8_e4m3fn).float() * s).to(self.compute_dtype)
         return x if x.dtype == self.compute_dtype else x.to(self.compute_dtype)
 

@@ -5,7 +5,8 @@ these, never another family."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -64,17 +65,39 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def clamped_silu_mul(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu_mul with the gate clamped to at most `limit` and up to [-limit, limit]
+    (DeepSeek-V4's `swiglu_limit`)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+def gated_activation(
+    intermediate: int, limit: float | None, ops: CpuOps | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The SiLU-gated product of an MLP of `intermediate` size: clamped at `limit` when given,
+    else the compiled kernel where it applies (the table in thermostat.kernels)."""
+    if limit is not None:
+        return functools.partial(clamped_silu_mul, limit=limit)
+    return ops.silu_mul if ops is not None and intermediate % 16 == 0 else silu_mul
+
+
 class MLP(nn.Module):
     """SiLU-gated MLP, gate and up fused into one projection (gate rows first)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, ops: CpuOps | None):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        ops: CpuOps | None,
+        limit: float | None = None,
+    ):
         super().__init__()
         self.intermediate = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        # The one choice of this op (the table in thermostat.kernels).
-        compiled = ops if self.intermediate % 16 == 0 else None
-        self._act = silu_mul if compiled is None else compiled.silu_mul
+        self._act = gated_activation(intermediate_size, limit, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.down_proj(self._act(self.gate_up_proj(x)))

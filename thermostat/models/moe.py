@@ -7,13 +7,17 @@ Routing, per token, in float32 (`route`, a pure function):
 
 | step           | softmax (Mixtral, Qwen3-MoE, DeepSeek-V2) | sigmoid (DeepSeek-V3)             |
 |----------------|-------------------------------------------|-----------------------------------|
-| scores s       | softmax(logits)                           | sigmoid(logits)                   |
+| scores s       | softmax(logits)                           | sigmoid(logits); DeepSeek-V4:     |
+|                |                                           | sqrt(softplus(logits))            |
 | choice c       | s                                         | s + e_score_correction_bias       |
 | group limit    | keep `topk_group` of `n_group` groups,    | ranked by the sum of each group's |
 | (n_group > 1)  | ranked by each group's max c              | two largest c                     |
 | experts        | the top_k of c among the kept groups      | same                              |
 | weights        | s of the chosen experts; divided by their sum when `norm_topk_prob`;    |
 |                | times `routed_scaling_factor`                                           |
+
+DeepSeek-V4 clamps every expert's (and the shared expert's) gate at `swiglu_limit` and its up
+projection to [-limit, limit] before the SiLU product.
 
 Experts run grouped: the T * top_k (token, expert) pairs are sorted by expert, each expert that
 has rows runs once on them, and the weighted outputs are added back per token in float32. No
@@ -36,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from thermostat.kernels import CpuOps
-from thermostat.models.layers import Float32Module, silu_mul
+from thermostat.models.layers import Float32Module, gated_activation
 from thermostat.models.weights import Index
 
 
@@ -47,7 +51,7 @@ class MoEArch:
     num_experts: int
     top_k: int
     intermediate_size: int  # of one routed expert
-    scoring: Literal["softmax", "sigmoid"]
+    scoring: Literal["softmax", "sigmoid", "sqrtsoftplus"]
     norm_topk_prob: bool
     routed_scaling_factor: float = 1.0
     num_groups: int = 1  # n_group; 1: no group limit
@@ -55,6 +59,7 @@ class MoEArch:
     group_score: Literal["max", "top2_sum"] = "max"
     correction_bias: bool = False  # e_score_correction_bias (DeepSeek-V3)
     shared_intermediate_size: int = 0  # the shared experts as one MLP; 0: none
+    swiglu_limit: float | None = None  # DeepSeek-V4's clamp of gate and up
 
     def __post_init__(self) -> None:
         if self.num_experts % self.num_groups:
@@ -63,11 +68,20 @@ class MoEArch:
             raise ValueError(f"top_k={self.top_k} exceeds the experts of the kept groups")
 
 
+def score(logits: torch.Tensor, moe: MoEArch) -> torch.Tensor:
+    """The router's scores of logits [T, E] float32 (what the chosen experts are weighted by)."""
+    if moe.scoring == "sigmoid":
+        return logits.sigmoid()
+    if moe.scoring == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    return logits.softmax(dim=-1)
+
+
 def route(
     logits: torch.Tensor, moe: MoEArch, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] float32 -> (weights [T, top_k] float32, expert ids [T, top_k] int64)."""
-    scores = logits.sigmoid() if moe.scoring == "sigmoid" else logits.softmax(dim=-1)
+    scores = score(logits, moe)
     choice = scores if bias is None else scores + bias
     if moe.num_groups > 1 and moe.topk_groups < moe.num_groups:
         per_group = moe.num_experts // moe.num_groups
@@ -108,9 +122,7 @@ class Experts(nn.Module):
         e, i = moe.num_experts, moe.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, hidden_size))
         self.down_proj = nn.Parameter(torch.zeros(e, hidden_size, i))
-        # The one choice of this op (the table in thermostat.kernels).
-        compiled = ops if i % 16 == 0 else None
-        self._act = silu_mul if compiled is None else compiled.silu_mul
+        self._act = gated_activation(i, moe.swiglu_limit, ops)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights, ids [T, top_k] -> sum over k of weight * expert(x) [T, H]."""

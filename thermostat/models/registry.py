@@ -17,6 +17,7 @@ import torch
 from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata
 from thermostat.models.deepseek import DeepseekModel
+from thermostat.models.deepseek_v4 import DeepseekV4Model
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import KVCacheSpec
 from thermostat.models.llama import LlamaFamilyModel
@@ -92,6 +93,7 @@ class CausalLM(Protocol):
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     "DeepseekV2ForCausalLM": DeepseekModel,
     "DeepseekV3ForCausalLM": DeepseekModel,
+    "DeepseekV4ForCausalLM": DeepseekV4Model,
     "LlamaForCausalLM": LlamaFamilyModel,
     "MistralForCausalLM": LlamaFamilyModel,
     "MixtralForCausalLM": LlamaFamilyModel,

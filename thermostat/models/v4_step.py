@@ -1,0 +1,138 @@
+"""Where a DeepSeek-V4 step's tokens read and write the paged cache: per sequence, the slots of
+its sliding window, the rows of its compressed entries and which queries see them, and the
+windows its new tokens complete (each becomes one entry). Computed once per step from the
+attention metadata and shared by every layer of a kind (thermostat.models.v4_attention).
+
+For a sequence whose new tokens are positions [s, s + n) and a compression rate r:
+
+| what               | positions                                    | visible to query t          |
+|--------------------|----------------------------------------------|-----------------------------|
+| window K=V rows    | [max(0, s - W + 1), s + n)                   | t - W < p <= t              |
+| entries            | w in [0, (s + n) // r): row at w*r + r - 1   | w < (t + 1) // r            |
+| windows completed  | w in [s // r, (s + n) // r)                  | (written this step)         |
+| their state rows   | [w*r, w*r + r); with overlap [w*r - r, ...)  | (w = 0's overlap: none)     |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from thermostat.models.attention import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One sequence's new tokens this step: positions [start, start + length), rows
+    [offset, offset + length) of the flat batch."""
+
+    start: int
+    length: int
+    offset: int
+    table: torch.Tensor  # [nb] int64 block ids
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    def query_positions(self) -> torch.Tensor:
+        return torch.arange(self.start, self.end)
+
+
+@dataclass(frozen=True)
+class Window:
+    slots: torch.Tensor  # [K] the window rows' slots, oldest first
+    visible: torch.Tensor  # [n, K] bool
+
+
+@dataclass(frozen=True)
+class Entries:
+    rows: torch.Tensor  # [E] rows of the rate's entry components
+    visible: torch.Tensor  # [n, E] bool: the window closed at or before the query
+
+
+@dataclass(frozen=True)
+class Emissions:
+    """The windows completed this step, across the batch."""
+
+    slots: torch.Tensor  # [N, width] slots of the state rows they mix
+    valid: torch.Tensor  # [N, width] bool; False: before position 0 (weight 0)
+    first: torch.Tensor  # [N] the window's first position (its rope position)
+    rows: torch.Tensor  # [N] where its entry goes
+
+
+@dataclass
+class V4Step:
+    seqs: list[SeqChunk]
+    slot_mapping: torch.Tensor  # [T] the new tokens' slots
+    block_size: int
+    window: int
+    _memo: dict[tuple[object, ...], object] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, block_size: int, window: int) -> V4Step:
+        seqs = [
+            SeqChunk(int(meta.decode_context_lens[i]) - 1, 1, i, meta.decode_block_tables[i])
+            for i in range(meta.num_decodes)
+        ]
+        offset = meta.num_decodes
+        for seg in meta.prefills:
+            seqs.append(SeqChunk(seg.ctx_len - seg.q_len, seg.q_len, offset, seg.block_table[0]))
+            offset += seg.q_len
+        return cls(seqs, meta.slot_mapping, block_size, window)
+
+    def slots(self, seq: SeqChunk, positions: torch.Tensor) -> torch.Tensor:
+        bs = self.block_size
+        return seq.table[positions // bs] * bs + positions % bs
+
+    def window_of(self, i: int) -> Window:
+        key = ("window", i)
+        if key not in self._memo:
+            seq = self.seqs[i]
+            kv_pos = torch.arange(max(0, seq.start - self.window + 1), seq.end)
+            q_pos = seq.query_positions()[:, None]
+            visible = (kv_pos[None, :] <= q_pos) & (kv_pos[None, :] > q_pos - self.window)
+            self._memo[key] = Window(self.slots(seq, kv_pos), visible)
+        found = self._memo[key]
+        assert isinstance(found, Window)
+        return found
+
+    def entries_of(self, i: int, rate: int) -> Entries:
+        key = ("entries", i, rate)
+        if key not in self._memo:
+            seq = self.seqs[i]
+            w = torch.arange(seq.end // rate)
+            rows = self.slots(seq, w * rate + rate - 1) // min(rate, self.block_size)
+            visible = w[None, :] < (seq.query_positions()[:, None] + 1) // rate
+            self._memo[key] = Entries(rows, visible)
+        found = self._memo[key]
+        assert isinstance(found, Entries)
+        return found
+
+    def emissions(self, rate: int, overlap: bool) -> Emissions | None:
+        """The windows of `rate` that this step's tokens complete; with `overlap` (CSA) each
+        mixes the previous window's rows too. None: no window completes."""
+        key = ("emissions", rate, overlap)
+        if key not in self._memo:
+            self._memo[key] = self._emissions(rate, overlap)
+        found = self._memo[key]
+        assert found is None or isinstance(found, Emissions)
+        return found
+
+    def _emissions(self, rate: int, overlap: bool) -> Emissions | None:
+        width = 2 * rate if overlap else rate
+        back = rate if overlap else 0
+        slots, valid, first, rows = [], [], [], []
+        for seq in self.seqs:
+            w = torch.arange(seq.start // rate, seq.end // rate)
+            if not len(w):
+                continue
+            pos = (w * rate - back)[:, None] + torch.arange(width)[None, :]
+            slots.append(self.slots(seq, pos.clamp_min(0)))
+            valid.append(pos >= 0)
+            first.append(w * rate)
+            rows.append(self.slots(seq, w * rate + rate - 1) // min(rate, self.block_size))
+        if not slots:
+            return None
+        return Emissions(torch.cat(slots), torch.cat(valid), torch.cat(first), torch.cat(rows))
