@@ -332,7 +332,7 @@ def test_fp8_latent_cache_stays_close_to_full_precision(deepseek_v3_dir):
     real = DeepseekArch.from_config(DeepseekV3Config(), "DeepseekV3ForCausalLM")
     real_sizes = {
         kv: real.num_layers
-        * CacheComponent("latent", (real.mla.latent_dim,), dtype).bytes_per_token
+        * CacheComponent("latent", (real.mla.latent_dim,), dtype).bytes_per_row
         for kv, dtype in (("bfloat16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn))
     }
     print(
