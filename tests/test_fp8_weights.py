@@ -198,7 +198,8 @@ def test_read_names_the_tensor_at_fault(tensors, message):
             {"quant_method": "fp8", "activation_scheme": "static"},
             r"quantization_config.activation_scheme='static'",
         ),
-        ({"quant_method": "fp8", "scale_fmt": "ue8m0"}, r"quantization_config.scale_fmt='ue8m0'"),
+        ({"quant_method": "fp8", "scale_fmt": "e4m3"}, r"quantization_config.scale_fmt='e4m3'"),
+        ({"quant_method": "fp8", "expert_dtype": "int4"}, r"quantization_config.expert_dtype="),
         ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size=\[128\]"),
     ],
 )
