@@ -331,8 +331,7 @@ def test_fp8_latent_cache_stays_close_to_full_precision(deepseek_v3_dir):
     # bytes per token, all layers: the tiny model, and DeepSeek-V3's real shape (61 layers of 576)
     real = DeepseekArch.from_config(DeepseekV3Config(), "DeepseekV3ForCausalLM")
     real_sizes = {
-        kv: real.num_layers
-        * CacheComponent("latent", (real.mla.latent_dim,), dtype).bytes_per_row
+        kv: real.num_layers * CacheComponent("latent", (real.mla.latent_dim,), dtype).bytes_per_row
         for kv, dtype in (("bfloat16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn))
     }
     print(

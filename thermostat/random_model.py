@@ -13,6 +13,7 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV2Config,
     DeepseekV3Config,
+    DeepseekV4Config,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -119,6 +120,88 @@ MOE_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
 }
 
 
+_S, _C, _H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+_V4_BASE: dict[str, Any] = dict(
+    num_key_value_heads=1,
+    head_dim=32,
+    q_lora_rank=32,
+    o_lora_rank=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    index_n_heads=2,
+    index_head_dim=16,
+    partial_rotary_factor=0.25,
+)
+# DeepSeek-V4 (tests/test_deepseek_v4.py runs them against transformers). Flash's layer mix is
+# two sliding-only layers, then CSA and HCA alternating, ending on CSA.
+V4_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
+    "deepseek_v4": (  # Flash's mix at small rates: prompts run past several HCA windows
+        DeepseekV4Config,
+        _V4_BASE
+        | dict(
+            num_hidden_layers=5,
+            layer_types=[_S, _S, _C, _H, _C],
+            compress_rates={_C: 4, _H: 16},
+            sliding_window=8,
+            hc_mult=2,
+            o_groups=2,
+            index_topk=3,
+            num_hash_layers=1,
+            scoring_func="sqrtsoftplus",
+        ),
+    ),
+    "deepseek_v4_pro": (  # Pro's default schedule (two HCA first), sigmoid router, 4 streams
+        DeepseekV4Config,
+        _V4_BASE
+        | dict(
+            num_hidden_layers=4,
+            layer_types=[_H, _H, _C, _H],
+            compress_rates={_C: 4, _H: 32},
+            sliding_window=16,
+            hc_mult=4,
+            o_groups=4,
+            index_topk=64,
+            num_hash_layers=2,
+            scoring_func="sigmoid",
+        ),
+    ),
+    "deepseek_v4_flash": (  # Flash's rates, window and mix at tiny widths (benchmarks, the case)
+        DeepseekV4Config,
+        _V4_BASE
+        | dict(
+            num_hidden_layers=6,
+            layer_types=[_S, _S, _C, _H, _C, _H],
+            compress_rates={_C: 4, _H: 128},
+            sliding_window=128,
+            hc_mult=4,
+            o_groups=2,
+            index_topk=512,
+            num_hash_layers=3,
+            max_position_embeddings=4096,
+        ),
+    ),
+}
+
+
+def _randomise_constants(model: torch.nn.Module, config: PretrainedConfig) -> None:
+    """DeepSeek-V4's tensors that transformers initialises to constants (sinks, norms,
+    hyper-connection bases and scales, position biases, the router bias, tid2eid) get random
+    values, so every one of them is exercised."""
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("tid2eid"):
+                e, k = config.n_routed_experts, config.num_experts_per_tok
+                tensor.copy_(torch.stack([torch.randperm(e)[:k] for _ in range(len(tensor))]))
+            elif (
+                tensor.is_floating_point()
+                and tensor.numel()
+                and "rotary" not in name
+                and bool((tensor == tensor.flatten()[0]).all())
+            ):
+                tensor.add_(0.1 * torch.randn_like(tensor))
+
+
 def build_tokenizer(vocab_size: int = 300) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -149,9 +232,10 @@ def write_model(
     dtype: torch.dtype = torch.float32,
     **overrides,
 ) -> Path:
-    """Save a tiny random model of `kind` (a CONFIGS or MOE_CONFIGS key) with a tokenizer to
-    `path`. DeepSeek-V3's router bias, which transformers initialises to zero, is randomised."""
-    config_cls, extra = (CONFIGS | MOE_CONFIGS)[kind]
+    """Save a tiny random model of `kind` (a CONFIGS, MOE_CONFIGS or V4_CONFIGS key) with a
+    tokenizer to `path`. DeepSeek-V3's router bias, which transformers initialises to zero, is
+    randomised, and so are DeepSeek-V4's constant-initialised tensors."""
+    config_cls, extra = (CONFIGS | MOE_CONFIGS | V4_CONFIGS)[kind]
     fields: dict[str, Any] = dict(
         vocab_size=320,
         hidden_size=64,
@@ -166,9 +250,14 @@ def write_model(
         bos_token_id=0,
         pad_token_id=0,
     )
+    if kind in V4_CONFIGS:
+        del fields["intermediate_size"], fields["num_key_value_heads"]  # V4: experts only
     config = config_cls(**(fields | extra | overrides))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if kind in V4_CONFIGS:
+        _randomise_constants(model, config)
+    model = model.to(dtype)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

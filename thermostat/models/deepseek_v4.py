@@ -33,6 +33,7 @@ rows and the open windows' state are ever read.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata
+from thermostat.models.deepseek_v4_names import hf_names
 from thermostat.models.hyper import HyperConnection, HyperHead
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import CacheComponent, KVCacheSpec
@@ -293,6 +295,11 @@ class DeepseekV4Model(DecoderStack[V4Arch]):
             streams = layer(streams, input_ids, tables, step, cache)
         hidden: torch.Tensor = self.norm(self.hc_head(streams))
         return hidden
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """DeepSeek's official names, transformers' and save_pretrained's hybrid of the two
+        (thermostat.models.deepseek_v4_names); multi-token-prediction layers skipped, logged."""
+        super().load_weights(hf_names(tensors))
 
     def _target(self, name: str) -> tuple[str, Index]:
         name = name.replace(".indexer.scorer.", ".indexer.")
