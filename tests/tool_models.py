@@ -8,12 +8,25 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
+from thermostat.api.tool_parsers_deepseek import (
+    CALL_BEGIN,
+    CALL_END,
+    CALLS_BEGIN,
+    CALLS_END,
+    DSML,
+    SEP,
+)
 from thermostat.random_model import build_tokenizer, write_model
 
+DEEPSEEK_V3 = [CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP]
 MARKERS = {
     "hermes": ["<tool_call>", "</tool_call>"],
     "llama3_json": ["<|python_tag|>"],
     "mistral": ["[TOOL_CALLS]"],
+    "deepseek_v3": DEEPSEEK_V3,
+    "deepseek_v31": DEEPSEEK_V3,
+    "deepseek_v32": [DSML],
+    "deepseek_v4": [DSML],
 }
 # family -> (random_model kind, parser, how its tokenizer holds the markers)
 FAMILIES = {
