@@ -1,6 +1,7 @@
 """Tool calling: the parsers (whole and streamed), the forced-call grammar, and the server's
 tools / tool_choice / parallel_tool_calls through the official openai client, on tiny random
-Qwen3, Llama and Mistral models (real-shaped markers: tests/tool_models.py) and the demo model,
+Qwen3, Llama, Mistral and DeepSeek-V3 models (real-shaped markers and DeepSeek's V3, V3.1 and V4
+formats: tests/tool_models.py) and the demo model,
 including a multi-turn tool loop and a call cut by max_tokens, streamed and whole."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import httpx
 import pytest
 
 from tests.server_utils import running_server
-from tests.tool_models import tool_tokenizer, write_tool_model
+from tests.tool_models import server_options, tool_tokenizer, write_tool_model
 from thermostat.api.tool_parsers import PARSERS, marker_tokens, parser_for
 from thermostat.api.tool_parsers_deepseek import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
 from thermostat.api.tool_parsers_deepseek import DSML as D
@@ -259,11 +260,16 @@ def test_the_constraint_hash_is_of_the_call_schema_whatever_the_format():
 # ---- the server ----
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama", "mistral", "demo"])
+@pytest.fixture(
+    scope="module",
+    params=["qwen3", "llama", "mistral", "demo", "deepseek_v3", "deepseek_v31", "deepseek_v4"],
+)
 def server(request, tmp_path_factory):
-    """Real-shaped markers (tests/tool_models.py): Qwen's added, Llama's and Mistral's
-    special, the demo's plain text."""
-    with running_server(write_tool_model(tmp_path_factory.mktemp("m"), request.param)) as s:
+    """Real-shaped markers (tests/tool_models.py): Qwen's and DeepSeek's added, Llama's and
+    Mistral's special, the demo's plain text; DeepSeek's V3 and V3.1 told apart by their chat
+    templates, V4's parser named."""
+    path = write_tool_model(tmp_path_factory.mktemp("m"), request.param)
+    with running_server(path, **server_options(request.param)) as s:
         yield s
 
 
