@@ -6,8 +6,16 @@
 | `hermes`      | Qwen, Hermes, demo | `<tool_call>{"name": N, "arguments": {...}}</tool_call>`  |
 | `llama3_json` | Llama 3            | `{"name": N, "parameters": {...}}` (calls joined by `; `) |
 | `mistral`     | Mistral, Mixtral   | `[TOOL_CALLS][{"name": N, "arguments": {...}}, ...]`      |
+| `deepseek_v3` | DeepSeek V3, R1    | `B function S N\\n```json\\n{...}\\n```E` (B, S, E below)  |
+| `deepseek_v31`| DeepSeek V3.1      | `B N S {...} E`                                           |
+| `deepseek_v32`| DeepSeek V3.2      | DSML tags, a tag per parameter (tool_dsml.py)             |
+| `deepseek_v4` | DeepSeek V4        | the same, in a `tool_calls` block                         |
 
-(hermes writes a newline after `<tool_call>` and before `</tool_call>`.)
+(hermes writes a newline after `<tool_call>` and before `</tool_call>`; B, S, E: DeepSeek's
+`<｜tool▁call▁begin｜>`, `<｜tool▁sep｜>`, `<｜tool▁call▁end｜>`, its formats in full in
+tool_parsers_deepseek.py and tool_dsml.py.) A model's parser is its config's family's
+(`FAMILY_PARSERS`, by model_type, else by architecture), a DeepSeek one's as its chat template
+writes calls; the classes share tool_base.py.
 
 Reading is by prefix (`ToolParser.read`): the text so far gives the content before the first
 call and, per call, its name once complete and the raw text of its arguments so far. A read

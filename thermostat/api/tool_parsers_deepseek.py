@@ -3,7 +3,7 @@ checkpoint writes. Markers are spelled with U+FF5C (｜) and U+2581 (▁).
 
 | parser         | checkpoints                    | a call as the model writes it        |
 |----------------|--------------------------------|--------------------------------------|
-| `deepseek_v3`  | V2.5, V3, V3-0324, R1, R1-0528 | `B function S N\n```json\n{...}\n```E` |
+| `deepseek_v3`  | V2.5, V3, V3-0324, R1, R1-0528 | `B function S N\\n```json\\n{...}\\n```E` |
 | `deepseek_v31` | V3.1, V3.1-Terminus, V3.2-Exp  | `B N S {...} E`                       |
 | `deepseek_v32` | V3.2                           | DSML, block `function_calls`         |
 | `deepseek_v4`  | V4                             | DSML, block `tool_calls`             |
