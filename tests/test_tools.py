@@ -1,6 +1,7 @@
 """Tool calling: the parsers (whole and streamed), the forced-call grammar, and the server's
 tools / tool_choice / parallel_tool_calls through the official openai client, on tiny random
-Qwen3, Llama and Mistral models (real-shaped markers: tests/tool_models.py) and the demo model,
+Qwen3, Llama, Mistral and DeepSeek-V3 models (real-shaped markers and DeepSeek's V3, V3.1 and V4
+formats: tests/tool_models.py) and the demo model,
 including a multi-turn tool loop and a call cut by max_tokens, streamed and whole."""
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import httpx
 import pytest
 
 from tests.server_utils import running_server
-from tests.tool_models import tool_tokenizer, write_tool_model
+from tests.tool_models import server_options, tool_tokenizer, write_tool_model
 from thermostat.api.tool_parsers import PARSERS, marker_tokens, parser_for
+from thermostat.api.tool_parsers_deepseek import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
+from thermostat.api.tool_parsers_deepseek import DSML as D
 from thermostat.api.tools import ToolStream
 from thermostat.engine.constraint import ConstraintCompiler, allowed_ids
 
@@ -57,6 +60,33 @@ SAMPLES = {
     '{"name": "get_time", "parameters": {"zone": 1}}',
     "mistral": 'Let me check.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": '
     '"Paris", "unit": "C"}}, {"name": "get_time", "arguments": {"zone": 1}}]',
+    # DeepSeek V3 / R1 (their chat templates), V3.1 (its template and model card)
+    "deepseek_v3": f"Let me check.{CALLS_BEGIN}{CALL_BEGIN}function{SEP}get_weather\n```json\n"
+    f'{{"city": "Paris", "unit": "C"}}\n```{CALL_END}\n{CALL_BEGIN}function{SEP}get_time\n'
+    f'```json\n{{"zone": 1}}\n```{CALL_END}{CALLS_END}',
+    "deepseek_v31": f'Let me check.{CALLS_BEGIN}{CALL_BEGIN}get_weather{SEP}{{"city": '
+    f'"Paris", "unit": "C"}}{CALL_END}{CALL_BEGIN}get_time{SEP}{{"zone": 1}}{CALL_END}{CALLS_END}',
+    # DeepSeek V4 (encoding/encoding_dsv4.py): one tag per parameter, strings as they are
+    "deepseek_v4": f'Let me check.\n\n<{D}tool_calls>\n<{D}invoke name="get_weather">\n<{D}'
+    f'parameter name="city" string="true">Paris</{D}parameter>\n<{D}parameter name="unit" '
+    f'string="true">C</{D}parameter>\n</{D}invoke>\n<{D}invoke name="get_time">\n<{D}parameter'
+    f' name="zone" string="false">1</{D}parameter>\n</{D}invoke>\n</{D}tool_calls>',
+}
+SAMPLES["deepseek_v32"] = SAMPLES["deepseek_v4"].replace("tool_calls>", "function_calls>")
+# what follows the last call's end
+TAILS = {"mistral": "]", "deepseek_v3": CALLS_END, "deepseek_v31": CALLS_END}
+TAILS |= {
+    f"deepseek_v{v}": f"\n</{D}{b}>" for v, b in (("32", "function_calls"), ("4", "tool_calls"))
+}
+# the fixed text of a forced call of get_time
+ENVELOPES = {
+    "hermes": '{"name": "get_time", "arguments": ',
+    "llama3_json": '{"name": "get_time", "parameters": ',
+    "mistral": '{"name": "get_time", "arguments": ',
+    "deepseek_v3": f"{CALL_BEGIN}function{SEP}get_time\n```json\n",
+    "deepseek_v31": f"{CALL_BEGIN}get_time{SEP}",
+    "deepseek_v32": f'<{D}invoke name="get_time">\n<{D}parameter name="zone" string="false">',
+    "deepseek_v4": f'<{D}invoke name="get_time">\n<{D}parameter name="zone" string="false">',
 }
 
 
@@ -94,7 +124,8 @@ def test_parsers_read_whole_outputs_and_streams_join_to_the_same(name):
         assert [tuple(calls[i]) for i in sorted(calls)] == [
             (c.name, c.arguments) for c in read.calls
         ]
-        assert stream.read.settled == 2 and stream.read.resume == len(text.rstrip("]"))
+        resume = len(text) - len(TAILS.get(name, ""))
+        assert stream.read.settled == 2 and stream.read.resume == resume
 
 
 def test_a_stream_resumes_past_closed_calls_and_sends_text_no_call_took():
@@ -188,8 +219,7 @@ def test_forced_call_grammar_only_admits_calls_the_parser_reads(name, markers):
                     assert token.id in ids and marker not in tokenizer.decode(
                         [t for t in ids if t != token.id], skip_special_tokens=False
                     )
-                envelope = f'{{"name": "get_time", "{parser.args_key}": '
-                assert choice == "required" or envelope in text  # fixed text: fault (b)
+                assert choice == "required" or ENVELOPES[name] in text  # fixed: fault (b)
                 if not parallel:
                     assert len(read.calls) == 1
                 for call in read.calls:
@@ -230,11 +260,16 @@ def test_the_constraint_hash_is_of_the_call_schema_whatever_the_format():
 # ---- the server ----
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama", "mistral", "demo"])
+@pytest.fixture(
+    scope="module",
+    params=["qwen3", "llama", "mistral", "demo", "deepseek_v3", "deepseek_v31", "deepseek_v4"],
+)
 def server(request, tmp_path_factory):
-    """Real-shaped markers (tests/tool_models.py): Qwen's added, Llama's and Mistral's
-    special, the demo's plain text."""
-    with running_server(write_tool_model(tmp_path_factory.mktemp("m"), request.param)) as s:
+    """Real-shaped markers (tests/tool_models.py): Qwen's and DeepSeek's added, Llama's and
+    Mistral's special, the demo's plain text; DeepSeek's V3 and V3.1 told apart by their chat
+    templates, V4's parser named."""
+    path = write_tool_model(tmp_path_factory.mktemp("m"), request.param)
+    with running_server(path, **server_options(request.param)) as s:
         yield s
 
 

@@ -8,19 +8,54 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
+from thermostat.api.tool_parsers_deepseek import (
+    CALL_BEGIN,
+    CALL_END,
+    CALLS_BEGIN,
+    CALLS_END,
+    DSML,
+    SEP,
+)
 from thermostat.random_model import build_tokenizer, write_model
 
+DEEPSEEK_V3 = [CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP]
 MARKERS = {
     "hermes": ["<tool_call>", "</tool_call>"],
     "llama3_json": ["<|python_tag|>"],
     "mistral": ["[TOOL_CALLS]"],
+    "deepseek_v3": DEEPSEEK_V3,
+    "deepseek_v31": DEEPSEEK_V3,
+    "deepseek_v32": [DSML],
+    "deepseek_v4": [DSML],
 }
 # family -> (random_model kind, parser, how its tokenizer holds the markers)
 FAMILIES = {
     "qwen3": ("qwen3", "hermes", "added"),
     "llama": ("llama", "llama3_json", "special"),
     "mistral": ("mistral", "mistral", "special"),
+    "deepseek_v3": ("deepseek_v3", "deepseek_v3", "added"),
+    "deepseek_v31": ("deepseek_v3", "deepseek_v31", "added"),
+    "deepseek_v4": ("deepseek_v3", "deepseek_v4", "added"),  # no V4 model: its parser by name
 }
+# Chat templates shaped like DeepSeek's (V3's and V3.1's tokenizer_config.json): a call written
+# by string concatenation (`+`, its arguments as a string), from which the parser is told.
+# V4 ships no Jinja template (its encoder is Python): the tests name its parser.
+DEEPSEEK_CALLS = {
+    "deepseek_v3": f"'{CALL_BEGIN}' + t['type'] + '{SEP}' + t['function']['name'] + '\\n```json"
+    f"\\n' + t['function']['arguments'] + '\\n```{CALL_END}'",
+    "deepseek_v31": f"'{CALL_BEGIN}' + t['function']['name'] + '{SEP}' + t['function']['arguments']"
+    f" + '{CALL_END}'",
+}
+DEEPSEEK_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}{{ '<｜Assistant｜>' + m['content'] }}"
+    f"{{% if m['tool_calls'] %}}{{{{ '{CALLS_BEGIN}' }}}}{{% for t in m['tool_calls'] %}}"
+    "{{ CALL }}{% endfor %}"
+    f"{{{{ '{CALLS_END}' }}}}{{% endif %}}{{{{ '<|endoftext|>' }}}}"
+    "{% elif m['role'] == 'tool' %}{{ '<｜tool▁output▁begin｜>' + m['content'] + "
+    "'<｜tool▁output▁end｜>' }}{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
+)
 
 
 def tool_tokenizer(parser: str, markers: str) -> PreTrainedTokenizerFast:
@@ -38,5 +73,13 @@ def write_tool_model(path: Path, family: str) -> Path | str:
         return "demo"
     kind, parser, markers = FAMILIES[family]
     write_model(path, kind)
-    tool_tokenizer(parser, markers).save_pretrained(path)
+    tokenizer = tool_tokenizer(parser, markers)
+    if parser in DEEPSEEK_CALLS:
+        tokenizer.chat_template = DEEPSEEK_TEMPLATE.replace("CALL", DEEPSEEK_CALLS[parser])
+    tokenizer.save_pretrained(path)
     return path
+
+
+def server_options(family: str) -> dict[str, str]:
+    """What a test server of `family` is started with: V4's parser by name (the model is V3's)."""
+    return {"tool_call_parser": "deepseek_v4"} if family == "deepseek_v4" else {}

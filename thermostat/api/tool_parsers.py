@@ -6,8 +6,16 @@
 | `hermes`      | Qwen, Hermes, demo | `<tool_call>{"name": N, "arguments": {...}}</tool_call>`  |
 | `llama3_json` | Llama 3            | `{"name": N, "parameters": {...}}` (calls joined by `; `) |
 | `mistral`     | Mistral, Mixtral   | `[TOOL_CALLS][{"name": N, "arguments": {...}}, ...]`      |
+| `deepseek_v3` | DeepSeek V3, R1    | `B function S N\\n```json\\n{...}\\n```E` (B, S, E below)  |
+| `deepseek_v31`| DeepSeek V3.1      | `B N S {...} E`                                           |
+| `deepseek_v32`| DeepSeek V3.2      | DSML tags, a tag per parameter (tool_dsml.py)             |
+| `deepseek_v4` | DeepSeek V4        | the same, in a `tool_calls` block                         |
 
-(hermes writes a newline after `<tool_call>` and before `</tool_call>`.)
+(hermes writes a newline after `<tool_call>` and before `</tool_call>`; B, S, E: DeepSeek's
+`<｜tool▁call▁begin｜>`, `<｜tool▁sep｜>`, `<｜tool▁call▁end｜>`, its formats in full in
+tool_parsers_deepseek.py and tool_dsml.py.) A model's parser is its config's family's
+(`FAMILY_PARSERS`, by model_type, else by architecture), a DeepSeek one's as its chat template
+writes calls; the classes share tool_base.py.
 
 Reading is by prefix (`ToolParser.read`): the text so far gives the content before the first
 call and, per call, its name once complete and the raw text of its arguments so far. A read
@@ -26,121 +34,29 @@ without it (the tokenizer always produces it). The text keeps special tokens the
 
 from __future__ import annotations
 
-import json
-from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
-from thermostat.api.tool_json import CallSoFar, read_call, skip_ws
+from thermostat.api.tool_base import MarkerToken, ToolParser, ToolText, marker_tokens, split_at
+from thermostat.api.tool_dsml import DeepSeekV4Parser, DeepSeekV32Parser
+from thermostat.api.tool_json import CallSoFar, skip_ws
+from thermostat.api.tool_parsers_deepseek import (
+    DEEPSEEK_ARCHITECTURES,
+    DEEPSEEK_FAMILIES,
+    DeepSeekV3Parser,
+    DeepSeekV31Parser,
+    deepseek_parser,
+)
 
-
-@dataclass
-class ToolText:
-    """A (possibly partial) output read by a parser."""
-
-    content: str  # text before the first call (all of it, trailing whitespace held, if none)
-    calls: list[CallSoFar] = field(default_factory=list)
-    resume: int | None = None  # where reading a longer text picks up (None: from the start)
-    settled: int = 0  # calls[:settled] are closed: a longer text reads them the same
-
-    @property
-    def valid(self) -> bool:
-        """Every call is whole: what a finished output must be to end with "tool_calls"."""
-        return bool(self.calls) and all(c.complete and c.name for c in self.calls)
-
-    @property
-    def named(self) -> list[CallSoFar]:
-        """The calls whose name was read: those an answer carries (and a stream announces)."""
-        return [c for c in self.calls if c.name]
-
-
-@dataclass(frozen=True)
-class MarkerToken:
-    """A format's marker that is one added token of the tokenizer."""
-
-    id: int
-    special: bool  # decoding with skip_special_tokens drops it
-
-
-def marker_tokens(added: Mapping[int, Any]) -> dict[str, MarkerToken]:
-    """The added tokens of a tokenizer by text, from transformers' `added_tokens_decoder`
-    (id -> AddedToken with `content` and `special`)."""
-    return {t.content: MarkerToken(i, bool(t.special)) for i, t in added.items()}
-
-
-class ToolParser(ABC):
-    """One family's tool-call format. Subclasses set `name`, `args_key`, `separators` and
-    `markers`; the registry `PARSERS` maps names to them. `tokens`: the tokenizer's added
-    tokens by text."""
-
-    name: ClassVar[str]
-    args_key: ClassVar[str] = "arguments"
-    separators: ClassVar[str] = ""  # between two call objects, besides whitespace
-    markers: ClassVar[tuple[str, ...]] = ()  # the fixed texts its grammar writes
-
-    def __init__(self, tokens: Mapping[str, MarkerToken] | None = None) -> None:
-        self.tokens = {m: t for m, t in (tokens or {}).items() if m in self.markers}
-
-    @property
-    def keeps_special(self) -> bool:
-        """Whether the output must be decoded with special tokens: a marker is one."""
-        return any(t.special for t in self.tokens.values())
-
-    def read(self, text: str, after: ToolText | None = None) -> ToolText:
-        """The content and the calls of `text`, a prefix of (or the whole) output. `after`: a
-        read of a prefix of `text`, to resume from."""
-        if after is not None and after.resume is not None:
-            content, i, done = after.content, after.resume, after.calls[: after.settled]
-        else:
-            content, start = self.start(text)
-            if start is None:
-                return ToolText(content)
-            i, done = start, []
-        calls, resume, settled = self.calls_from(text, i)
-        return ToolText(content, done + calls, resume, len(done) + settled)
-
-    @abstractmethod
-    def start(self, text: str) -> tuple[str, int | None]:
-        """The content, and where the calls begin (None while no call has begun)."""
-
-    def calls_from(self, text: str, i: int) -> tuple[list[CallSoFar], int, int]:
-        """The calls from `text[i]` on (where a call may begin), the offset past the last
-        closed one (`i` if none) and how many are closed. Here: call objects separated by
-        whitespace and `separators`."""
-        calls: list[CallSoFar] = []
-        resume = i
-        while True:
-            i = skip_ws(text, i)
-            while i < len(text) and text[i] in self.separators:
-                i = skip_ws(text, i + 1)
-            if i >= len(text) or text[i] != "{":
-                return calls, resume, len(calls)
-            call, end = read_call(text, i, self.args_key)
-            if end is None:
-                return [*calls, call], resume, len(calls)
-            calls.append(call)
-            i = resume = end
-
-    @abstractmethod
-    def frame(self, call: str, parallel: bool) -> str:
-        """The Lark rule `start` around the rule `call` (one call object)."""
-
-    def grammar(self, calls: Mapping[str, dict[str, Any]], parallel: bool) -> str:
-        """A Lark grammar (llguidance's dialect) for output that is only tool calls: `calls`
-        maps each tool that may be called to its arguments' JSON schema; more than one call
-        only if `parallel`. The call object's text is fixed up to its arguments."""
-        rules = [self.frame(" | ".join(f"call{k}" for k in range(len(calls))), parallel)]
-        for k, (name, params) in enumerate(calls.items()):
-            head = f'{{"name": {json.dumps(name)}, "{self.args_key}": '
-            rules.append(f'call{k}: {json.dumps(head)} args{k} "}}"')
-            rules.append(f"args{k}: %json {json.dumps(params)}")
-        return "\n".join(rules) + "\n"
-
-    def lit(self, marker: str) -> str:
-        """A marker in a Lark grammar: its token where it is one added token, else its text."""
-        token = self.tokens.get(marker)
-        return f"<[{token.id}]>" if token is not None else json.dumps(marker)
+__all__ = [  # the base's names, re-exported
+    "FAMILY_PARSERS",
+    "PARSERS",
+    "MarkerToken",
+    "ToolParser",
+    "ToolText",
+    "marker_tokens",
+    "parser_for",
+]
 
 
 class HermesParser(ToolParser):
@@ -149,7 +65,7 @@ class HermesParser(ToolParser):
     markers = (START, END)
 
     def start(self, text: str) -> tuple[str, int | None]:
-        return _split(text, self.START)
+        return split_at(text, self.START)
 
     def calls_from(self, text: str, i: int) -> tuple[list[CallSoFar], int, int]:
         calls: list[CallSoFar] = []
@@ -197,7 +113,7 @@ class MistralParser(ToolParser):
     markers = (START,)
 
     def start(self, text: str) -> tuple[str, int | None]:
-        content, first = _split(text, self.START)
+        content, first = split_at(text, self.START)
         if first is None or (i := skip_ws(text, first + len(self.START))) >= len(text):
             return content, None
         return content, i + (text[i] == "[")
@@ -207,21 +123,16 @@ class MistralParser(ToolParser):
         return f'start: {self.lit(self.START)} "[" call{more} "]"\ncall: {call}'
 
 
-def _split(text: str, marker: str) -> tuple[str, int | None]:
-    """The content before `marker`, and where the marker begins (None while it is absent: then
-    a tail of `text` that could start it is held back from the content)."""
-    first = text.find(marker)
-    if first >= 0:
-        return text[:first].rstrip(), first
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return text[:-n].rstrip(), None
-    return text.rstrip(), None
-
-
-PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)
-}
+FORMATS: tuple[type[ToolParser], ...] = (
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    DeepSeekV3Parser,
+    DeepSeekV31Parser,
+    DeepSeekV32Parser,
+    DeepSeekV4Parser,
+)
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in FORMATS}
 
 # config.json model_type (or Thermostat's family) -> parser; others get hermes
 FAMILY_PARSERS = {
@@ -229,6 +140,7 @@ FAMILY_PARSERS = {
     "mistral": "mistral",
     "mixtral": "mistral",
     "thermostat-demo": "hermes",
+    **DEEPSEEK_FAMILIES,  # the chat template may say otherwise (tool_parsers_deepseek.py)
 }
 
 
@@ -236,10 +148,26 @@ def parser_for(
     model_config: dict[str, Any],
     override: str | None = None,
     tokens: Mapping[str, MarkerToken] | None = None,
+    template: str | Mapping[str, str] | None = None,
 ) -> ToolParser:
-    """The parser named by `override` (--tool-call-parser), else the model family's; `tokens`:
-    the tokenizer's added tokens (`marker_tokens`)."""
+    """The parser named by `override` (--tool-call-parser), else the model family's (by
+    model_type, else by architecture); `tokens`: the tokenizer's added tokens
+    (`marker_tokens`); `template`: its chat template (or named templates), which tells
+    DeepSeek's formats apart."""
     if override is not None:
         return PARSERS[override](tokens)
-    family = model_config.get("thermostat_family") or model_config.get("model_type") or ""
-    return PARSERS[FAMILY_PARSERS.get(family, "hermes")](tokens)
+    architectures = model_config.get("architectures") or [""]
+    family = (
+        model_config.get("thermostat_family")
+        or model_config.get("model_type")
+        or DEEPSEEK_ARCHITECTURES.get(architectures[0], "")
+    )
+    name = FAMILY_PARSERS.get(family, "hermes")
+    if family in DEEPSEEK_FAMILIES:
+        text = (
+            template
+            if template is None or isinstance(template, str)
+            else "\n".join(template.values())
+        )
+        name = deepseek_parser(name, text)
+    return PARSERS[name](tokens)

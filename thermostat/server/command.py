@@ -70,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         choices=sorted(PARSERS),
         help="the tool-call format the model writes (default: by model family: Llama 3 "
-        "llama3_json, Mistral mistral, others hermes)",
+        "llama3_json, Mistral mistral, DeepSeek deepseek_v3/v31/v32/v4 by model type and chat "
+        "template, others hermes)",
     )
     add_operations_arguments(p.add_argument_group("operations"))
 

@@ -2,7 +2,8 @@
 prompts as text or token ids. Every prompt leaves here as token ids.
 
 Chat: `apply_chat_template(messages, tools=..., add_generation_prompt=True, tokenize=False)`
-(an assistant message's tool calls with their `arguments` parsed from JSON), then encoded
+(an assistant message's tool calls with their `arguments` parsed from JSON, unless the template
+joins them to strings with `+`, as DeepSeek's do: it gets the JSON text), then encoded
 WITHOUT special tokens (the template already wrote them). Completions: text is encoded with the
 tokenizer's special tokens (a BOS where the model has one), as the engine does for text.
 
@@ -17,6 +18,7 @@ what the tokenizer took).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -84,7 +86,8 @@ class PromptBuilder:
                 param="messages",
                 code="no_chat_template",
             )
-        rendered = [_message_dict(i, m) for i, m in enumerate(messages)]
+        parse = not JOINS_ARGUMENTS.search(str(self.tokenizer.chat_template))
+        rendered = [_message_dict(i, m, parse) for i, m in enumerate(messages)]
         functions: list[dict[Any, Any] | Callable[..., Any]] | None = (
             None if tools is None else [*tools]
         )
@@ -128,8 +131,13 @@ class PromptBuilder:
         return prompts
 
 
-def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
-    """The template's view of a message: content as a string, extra keys kept."""
+# a template that joins a call's arguments to a string: `... + tool['function']['arguments']`
+JOINS_ARGUMENTS = re.compile(r"""\+\s*[\w.'"\[\]]*arguments['"]?\]?\s*\+""")
+
+
+def _message_dict(index: int, message: ChatMessage, parse: bool = True) -> dict[str, Any]:
+    """The template's view of a message: content as a string, extra keys kept; `parse`: tool
+    calls' arguments as a mapping."""
     data = message.model_dump(exclude_none=True)
     content = message.content
     if isinstance(content, list):
@@ -146,7 +154,7 @@ def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
     elif content is None:
         data["content"] = ""
     calls = data.get("tool_calls")
-    if isinstance(calls, list):  # templates read arguments as a mapping (vLLM does the same)
+    if parse and isinstance(calls, list):  # templates read arguments as a mapping (as vLLM)
         data["tool_calls"] = [_template_call(call) for call in calls]
     return data
 

@@ -85,6 +85,7 @@ class ServerState(Lifecycle):
             self.model_config,
             self.config.tool_call_parser,
             marker_tokens(engine.tokenizer.added_tokens_decoder),
+            engine.tokenizer.chat_template,  # tells DeepSeek's formats apart
         )
         try:
             self.role = await self._role(engine)
