@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.server_utils import running_server
-from tests.tool_models import server_options, tool_tokenizer, write_tool_model
+from tests.tool_models import tool_tokenizer, write_tool_model
 from thermostat.api.tool_parsers import PARSERS, marker_tokens, parser_for
 from thermostat.api.tool_parsers_deepseek import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
 from thermostat.api.tool_parsers_deepseek import DSML as D
@@ -269,7 +269,7 @@ def server(request, tmp_path_factory):
     Mistral's special, the demo's plain text; DeepSeek's V3 and V3.1 told apart by their chat
     templates, V4's parser named."""
     path = write_tool_model(tmp_path_factory.mktemp("m"), request.param)
-    with running_server(path, **server_options(request.param)) as s:
+    with running_server(path) as s:
         yield s
 
 

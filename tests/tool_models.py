@@ -35,7 +35,7 @@ FAMILIES = {
     "mistral": ("mistral", "mistral", "special"),
     "deepseek_v3": ("deepseek_v3", "deepseek_v3", "added"),
     "deepseek_v31": ("deepseek_v3", "deepseek_v31", "added"),
-    "deepseek_v4": ("deepseek_v3", "deepseek_v4", "added"),  # no V4 model: its parser by name
+    "deepseek_v4": ("deepseek_v4", "deepseek_v4", "added"),
 }
 # Chat templates shaped like DeepSeek's (V3's and V3.1's tokenizer_config.json): a call written
 # by string concatenation (`+`, its arguments as a string), from which the parser is told.
@@ -78,8 +78,3 @@ def write_tool_model(path: Path, family: str) -> Path | str:
         tokenizer.chat_template = DEEPSEEK_TEMPLATE.replace("CALL", DEEPSEEK_CALLS[parser])
     tokenizer.save_pretrained(path)
     return path
-
-
-def server_options(family: str) -> dict[str, str]:
-    """What a test server of `family` is started with: V4's parser by name (the model is V3's)."""
-    return {"tool_call_parser": "deepseek_v4"} if family == "deepseek_v4" else {}
