@@ -39,7 +39,7 @@ FAMILIES = {
 }
 # Chat templates shaped like DeepSeek's (V3's and V3.1's tokenizer_config.json): a call written
 # by string concatenation (`+`, its arguments as a string), from which the parser is told.
-# V4 ships no Jinja template (its encoder is Python): the tests name its parser.
+# V4 ships no Jinja template (its encoder is Python): its parser comes from model_type.
 DEEPSEEK_CALLS = {
     "deepseek_v3": f"'{CALL_BEGIN}' + t['type'] + '{SEP}' + t['function']['name'] + '\\n```json"
     f"\\n' + t['function']['arguments'] + '\\n```{CALL_END}'",
