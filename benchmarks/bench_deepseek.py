@@ -1,7 +1,10 @@
-"""Output tokens/s of a DeepSeek-V3-shaped model (MLA + MoE): Thermostat with a bfloat16 and an
-fp8_e4m3 latent cache vs transformers `generate`, same random bfloat16 weights, in one run.
+"""Output tokens/s of a DeepSeek-V3-shaped model (MLA + MoE), or with `--family v4` a
+DeepSeek-V4-shaped one (hyper-connections, CSA/HCA compressed attention, MoE): Thermostat with a
+bfloat16 and an fp8_e4m3 cache vs transformers `generate`, same random bfloat16 weights, in one
+run.
 
-    .venv/bin/python benchmarks/bench_deepseek.py [--batches 1 32] [--repeats 3] [--json]
+    .venv/bin/python benchmarks/bench_deepseek.py [--family v3|v4] [--batches 1 32]
+        [--repeats 3] [--json]
 
 (--json: the results as JSON on stdout, the table on stderr.)
 
@@ -14,6 +17,13 @@ the KV bytes each stores per token: measured on transformers' cache after a forw
 caches the latent too, in a contiguous tensor per sequence, and re-expands it to per-head keys and
 values every step), and Thermostat's paged cache spec (the latent and rope key, plus one float32
 scale per token and layer under fp8).
+
+The V4 model (DEEPSEEK_V4_SMALL) keeps V4-Flash's layer mix (two sliding-only layers, then CSA
+and HCA alternating), its rates (4 and 128), window (128), top-k (512), 4 hyper-connection
+streams and a hash-routed first layer, at hidden 1024 with 256-dim heads. Its KV column is
+Thermostat's cache per token of context (every component at its rate: window rows and
+compressor state included while they are stored per token); transformers' V4 cache keeps the
+window, entries and compressor buffers in per-layer tensors of its own (not measured).
 """
 
 from __future__ import annotations
@@ -70,6 +80,36 @@ DEEPSEEK_V3_SMALL = dict(
     initializer_range=0.02,
     tie_word_embeddings=False,
 )
+_S, _C, _H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+DEEPSEEK_V4_SMALL = dict(
+    vocab_size=16384,
+    hidden_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    head_dim=256,
+    partial_rotary_factor=0.25,
+    q_lora_rank=384,
+    o_groups=4,
+    o_lora_rank=256,
+    sliding_window=128,
+    layer_types=[_S, _S, _C, _H, _C, _H, _C, _H],
+    compress_rates={_C: 4, _H: 128},
+    index_n_heads=8,
+    index_head_dim=64,
+    index_topk=512,
+    n_routed_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=256,
+    hc_mult=4,
+    num_hash_layers=1,
+    max_position_embeddings=4096,
+    initializer_range=0.02,
+    tie_word_embeddings=False,
+)
+FAMILIES = {  # --family: random_model kind, shape, what its cache holds
+    "v3": ("deepseek_v3", DEEPSEEK_V3_SMALL, "latent"),
+    "v4": ("deepseek_v4", DEEPSEEK_V4_SMALL, "KV"),
+}
 KV_LAYOUTS = {"bf16": "bfloat16", "fp8": "fp8_e4m3"}  # Thermostat's --kv-cache-dtype per column
 
 
@@ -89,7 +129,7 @@ def run_thermostat(llm: LLM, batch: int, args, seed: int) -> float:
     """Output tokens/s of one group of `batch` requests, from submission to the last token."""
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
-    group = prompts(batch, args.prompt_tokens, DEEPSEEK_V3_SMALL["vocab_size"], seed)
+    group = prompts(batch, args.prompt_tokens, args.vocab, seed)
     engine.add_group(f"bench-{seed}-{batch}", engine.plan(group, params))
     start, produced = time.perf_counter(), 0
     while engine.has_unfinished():
@@ -100,7 +140,7 @@ def run_thermostat(llm: LLM, batch: int, args, seed: int) -> float:
 
 @torch.inference_mode()
 def run_transformers(model, batch: int, args, seed: int) -> float:
-    ids = torch.tensor(prompts(batch, args.prompt_tokens, DEEPSEEK_V3_SMALL["vocab_size"], seed))
+    ids = torch.tensor(prompts(batch, args.prompt_tokens, args.vocab, seed))
     start = time.perf_counter()
     out = model.generate(
         ids,
@@ -114,7 +154,9 @@ def run_transformers(model, batch: int, args, seed: int) -> float:
 
 
 @torch.inference_mode()
-def transformers_kv_bytes_per_token(model, tokens: int = 8) -> int:
+def transformers_kv_bytes_per_token(model, tokens: int = 8) -> int | None:
+    if model.config.model_type == "deepseek_v4":
+        return None  # its own cache layers (window, entries, buffers): not comparable per token
     out = model(torch.arange(100, 100 + tokens)[None], use_cache=True)
     cache = out.cache
     total = sum(
@@ -130,6 +172,7 @@ def thermostat_kv_bytes_per_token(llm: LLM) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="v3")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=64)
@@ -137,12 +180,14 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=None, help="reuse a written model")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    kind, shape, holds = FAMILIES[args.family]
+    args.vocab = shape["vocab_size"]
 
     load_before = os.getloadavg()[0]
     model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="thermostat-bench-ds-"))
     if not (model_dir / "config.json").is_file():
-        console.log(f"writing a random DeepSeek-V3-shaped model to {model_dir}")
-        write_model(model_dir, "deepseek_v3", dtype=torch.bfloat16, **DEEPSEEK_V3_SMALL)
+        console.log(f"writing a random {kind}-shaped model to {model_dir}")
+        write_model(model_dir, kind, dtype=torch.bfloat16, **shape)
     weight_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     engines = {
         name: LLM(
@@ -158,7 +203,7 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     kv_bytes = {name: thermostat_kv_bytes_per_token(llm) for name, llm in engines.items()}
     kv_bytes["transformers"] = transformers_kv_bytes_per_token(hf)
-    warm = argparse.Namespace(prompt_tokens=16, output_tokens=4)
+    warm = argparse.Namespace(prompt_tokens=16, output_tokens=4, vocab=args.vocab)
     for llm in engines.values():
         run_thermostat(llm, 2, warm, seed=0)
     run_transformers(hf, 2, warm, seed=0)
@@ -175,6 +220,7 @@ def main() -> None:
             runs[batch]["transformers"].append(run_transformers(hf, batch, args, seed))
 
     result = {
+        "family": args.family,
         "cpu": cpu_name(),
         "threads": torch.get_num_threads(),
         "cpu_kernels": kernels.status(),
@@ -191,7 +237,7 @@ def main() -> None:
         "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
     }
     table = Table(
-        title=f"DeepSeek-V3-shaped, {weight_bytes / 1e6:.0f} MB bf16 weights, {result['cpu']}, "
+        title=f"{kind}-shaped, {weight_bytes / 1e6:.0f} MB bf16 weights, {result['cpu']}, "
         f"{result['threads']} threads; output tok/s, medians of {args.repeats} alternating runs, "
         f"{args.prompt_tokens} prompt + {args.output_tokens} new tokens per sequence; "
         "cells: median, x transformers, (range of runs)"
@@ -201,9 +247,9 @@ def main() -> None:
     for batch in args.batches:
         table.add_column(f"{batch} seq", justify="right")
     labels = {
-        "bf16": "Thermostat, bf16 latent",
-        "fp8": "Thermostat, fp8 latent",
-        "transformers": "transformers generate, bf16 latent",
+        "bf16": f"Thermostat, bf16 {holds}",
+        "fp8": f"Thermostat, fp8 {holds}",
+        "transformers": f"transformers generate, bf16 {holds}",
     }
     for name, label in labels.items():
         cells = []
@@ -211,7 +257,8 @@ def main() -> None:
             tok_s, spread = result["tok_s"][batch], runs[batch][name]
             vs_hf = "" if name == "transformers" else f" {tok_s[name] / tok_s['transformers']:.1f}x"
             cells.append(f"{tok_s[name]:.1f}{vs_hf} ({min(spread):.1f}-{max(spread):.1f})")
-        table.add_row(label, f"{kv_bytes[name]:,}", *cells)
+        kv = kv_bytes[name]
+        table.add_row(label, "-" if kv is None else f"{kv:,}", *cells)
     load = result["load_average_1min"]
     out = console if args.json else Console()  # with --json, the table goes to stderr
     out.print(table)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -160,11 +161,23 @@ def test_streaming_decode_equals_single(pair, single):
 
 
 def test_fp8_pair_equals_fp8_single(model_dir):
+    fp8_pair_equals_fp8_single(model_dir)
+
+
+def test_deepseek_v4_fp8_pair_equals_fp8_single(tmp_path):
+    """The case's deployment on its own architecture: window rows, entries, index keys (fp8) and
+    compressor state hand off between a prefill and a decode server of other block sizes."""
+    fp8_pair_equals_fp8_single(write_model(tmp_path / "v4", "deepseek_v4"))
+
+
+def fp8_pair_equals_fp8_single(model_dir: Path) -> None:
     options = {"kv_cache_dtype": "fp8_e4m3"}
     with (
         running_server(model_dir, **options) as single,
-        running_server(model_dir, disaggregation_mode="prefill", bootstrap_port=0, **options) as p,
-        running_server(model_dir, disaggregation_mode="decode", **options) as d,
+        running_server(
+            model_dir, disaggregation_mode="prefill", bootstrap_port=0, block_size=16, **options
+        ) as p,
+        running_server(model_dir, disaggregation_mode="decode", block_size=4, **options) as d,
     ):
         body = {"prompt": PROMPT} | GREEDY
         _, got = pd_post(p, d, "/v1/completions", body)
