@@ -18,6 +18,7 @@ from tests.test_deepseek import compare, prompt_logprobs
 from tests.test_handoff import run as run_group
 from tests.v4_official import dequantized_hf_checkpoint, write_hf_v4, write_official_checkpoint
 from thermostat import LLM, SamplingParams
+from thermostat.cli import main
 from thermostat.models.deepseek_v4 import V4Arch
 from thermostat.random_model import build_tokenizer, write_model
 
@@ -187,3 +188,12 @@ def test_flash_shapes_cache_bytes():
     )
     assert arch.kinds.count("csa") == 21 and arch.kinds.count("hca") == 20
     assert arch.layers_of("sliding") == (0, 1)
+
+
+def test_diagnose_names_greedy_decoding_on_v4(tmp_path, capsys):
+    """The case on its own architecture: greedy decoding loops, sampling does not, and the fp8
+    cache changes nothing; `diagnose` says so."""
+    path = write_model(tmp_path / "v4", "deepseek_v4", initializer_range=0.02)
+    code = main(["diagnose", "--model", str(path), "--max-tokens", "64", "--dtype", "float32"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 1 and "cause: greedy decoding" in out
