@@ -19,6 +19,7 @@ from tests.test_handoff import run as run_group
 from tests.v4_official import dequantized_hf_checkpoint, write_hf_v4, write_official_checkpoint
 from thermostat import LLM, SamplingParams
 from thermostat.cli import main
+from thermostat.engine.kv_blocks import size_pools
 from thermostat.models.deepseek_v4 import V4Arch
 from thermostat.random_model import build_tokenizer, write_model
 
@@ -87,15 +88,22 @@ def test_prefix_hit_inside_an_open_hca_window_equals_a_miss(v4):
 
 
 def test_preemption_equals_no_preemption(v4):
+    """A cache whose main pool is 24 blocks (the window pools take at most half the memory,
+    never less than one sequence's window and chunk; the main pool the rest)."""
     path, _, alone = v4
-    probe = LLM(str(path), dtype="float32", block_size=4)
-    bytes_per_block = probe.engine.cache.spec.bytes_per_block
-    memory_gb = 24 * bytes_per_block / 2**30
-    llm = LLM(str(path), dtype="float32", block_size=4, kv_cache_memory_gb=memory_gb)
-    assert llm.engine.blocks.num_blocks == 24
+    spec = LLM(str(path), dtype="float32", block_size=4).engine.cache.spec
+    low, high = 1, 2**30  # the least memory with 24 main blocks
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (mid + 1, high) if size_pools(spec, mid, 64, 16)[0] < 24 else (low, mid)
+    config = {"dtype": "float32", "block_size": 4, "max_num_batched_tokens": 16}
+    llm = LLM(str(path), kv_cache_memory_gb=low / 2**30, **config)
+    assert llm.engine.cache.pool_blocks == tuple(size_pools(spec, low, 64, 16))
+    assert llm.engine.blocks.num_blocks == 24 and len(llm.engine.blocks.pools) > 2
     assert greedy_tokens(llm) == alone
     assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+    for pool in llm.engine.blocks.pools:
+        assert pool.num_free_blocks == pool.num_blocks
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])

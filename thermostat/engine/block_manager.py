@@ -10,6 +10,15 @@ hash is a digest of bytes, equal in every process (unlike ``hash()``), so a pref
 decode server agree on which blocks hold a prefix.
 Freed blocks keep their hash while they wait in the free queue; they are evicted (hash cleared)
 only when the allocator hands them out again, least recently freed first.
+
+A window pool (thermostat.engine.kv_blocks) is a BlockManager whose tables start with
+placeholders: positions whose blocks were released (`release`) or never held (`allocate` with
+`skip`), since nothing reads them any more.
+
+| table entry | meaning                                                      |
+|-------------|--------------------------------------------------------------|
+| >= 0        | a block id; the table holds one reference                    |
+| PLACEHOLDER | (-1) no block: released or skipped; only at the table's head |
 """
 
 from __future__ import annotations
@@ -17,10 +26,11 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 BLOCK_HASH_BYTES = 16
+PLACEHOLDER = -1  # a table position without a block
 _ROOT_HASH = bytes(BLOCK_HASH_BYTES)  # the parent of a sequence's first block
 
 
@@ -61,6 +71,7 @@ class BlockManager:
 
     Invariants (checked by :meth:`check_integrity`):
     - ``ref_count`` of a block == number of request tables that contain it (at most once each);
+    - placeholders form a prefix of a table;
     - the free queue holds exactly the blocks with ``ref_count == 0``, least recently freed first;
     - ``_hash_to_block[h] == b`` iff ``blocks[b].hash == h`` (a hash names at most one block).
     """
@@ -95,6 +106,10 @@ class BlockManager:
         """A copy of the request's block table; ``[]`` for an unknown request."""
         return list(self._tables.get(req_id, ()))
 
+    def table_length(self, req_id: str) -> int:
+        """Positions in the request's table, placeholders included."""
+        return len(self._tables.get(req_id, ()))
+
     def num_blocks_needed(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` slots: ``ceil(num_tokens / block_size)``."""
         return -(-num_tokens // self.block_size)
@@ -116,18 +131,25 @@ class BlockManager:
         self.prefix_cache_hits += len(hits)
         return hits
 
-    def allocate(
-        self, req_id: str, num_tokens: int, computed_blocks: list[int] | None = None
-    ) -> bool:
-        """Make ``req_id``'s table cover ``num_tokens`` slots; False, changing nothing, if short.
+    def lookup_range(self, block_hashes: list[bytes], start: int) -> list[int] | None:
+        """Block ids of ``block_hashes[start:]`` if every one is cached, else None. Counts
+        nothing (a window pool's check of a hit the main pool counted)."""
+        if not self.enable_prefix_caching:
+            return [] if start >= len(block_hashes) else None
+        found = [self._hash_to_block.get(h) for h in block_hashes[start:]]
+        return None if None in found else [b for b in found if b is not None]
 
-        ``computed_blocks`` (from :meth:`lookup`) are attached first and are only allowed while the
-        request has no blocks. Fresh blocks come from the front of the free queue; handing out a
-        block that still carries a hash evicts it from the prefix cache.
-        """
+    def can_allocate(
+        self,
+        req_id: str,
+        num_tokens: int,
+        computed_blocks: list[int] | None = None,
+        skip: int = 0,
+    ) -> bool:
+        """Whether :meth:`allocate` with these arguments would succeed (changes nothing)."""
         table = self._tables.get(req_id, [])
         computed = computed_blocks or []
-        if computed:
+        if computed or skip:
             if table:
                 raise ValueError(
                     f"request {req_id!r} already has blocks; cannot attach cached ones"
@@ -137,11 +159,31 @@ class BlockManager:
             for b in computed:
                 if not 0 <= b < self.num_blocks or self.blocks[b].hash is None:
                     raise ValueError(f"block {b} is not a cached block")
-        num_new = max(0, self.num_blocks_needed(num_tokens) - len(table) - len(computed))
+        held = len(table) + skip + len(computed)
+        num_new = max(0, self.num_blocks_needed(num_tokens) - held)
         # Reviving a cached free block takes it out of the free queue, so it is not available twice.
         num_revived = sum(1 for b in computed if self.blocks[b].ref_count == 0)
-        if num_new > len(self._free) - num_revived:
-            return False  # nothing has been mutated yet: failure is atomic
+        return num_new <= len(self._free) - num_revived
+
+    def allocate(
+        self,
+        req_id: str,
+        num_tokens: int,
+        computed_blocks: list[int] | None = None,
+        skip: int = 0,
+    ) -> bool:
+        """Make ``req_id``'s table cover ``num_tokens`` slots; False, changing nothing, if short.
+
+        A request with no table yet may start with ``skip`` placeholders, then ``computed_blocks``
+        (from :meth:`lookup` / :meth:`lookup_range`) for the positions after them. Fresh blocks
+        come from the front of the free queue; handing out a block that still carries a hash
+        evicts it from the prefix cache.
+        """
+        if not self.can_allocate(req_id, num_tokens, computed_blocks, skip):
+            return False  # nothing has been mutated: failure is atomic
+        table = self._tables.get(req_id, []) + [PLACEHOLDER] * skip
+        computed = computed_blocks or []
+        num_new = max(0, self.num_blocks_needed(num_tokens) - len(table) - len(computed))
         for b in computed:
             block = self.blocks[b]
             if block.ref_count == 0:
@@ -165,14 +207,31 @@ class BlockManager:
         Blocks reaching ref_count 0 join the end of the free queue in reverse table order, so a
         sequence's tail is evicted before its head. They stay in the prefix cache until evicted.
         """
-        for b in reversed(self._tables.pop(req_id, [])):
+        self._unref(reversed(self._tables.pop(req_id, [])))
+
+    def release(self, req_id: str, up_to_block: int) -> None:
+        """Drop the request's blocks at table positions below ``up_to_block`` (placeholders
+        take their place); they join the free queue, cached ones stay cached (evictable)."""
+        table = self._tables.get(req_id)
+        if table is None:
+            return
+        end = min(up_to_block, len(table))
+        released = table[:end]
+        table[:end] = [PLACEHOLDER] * end
+        self._unref(reversed(released))
+
+    def _unref(self, block_ids: Iterable[int]) -> None:
+        for b in block_ids:
+            if b == PLACEHOLDER:
+                continue
             block = self.blocks[b]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[b] = None
 
-    def cache_blocks(self, req_id: str, block_hashes: list[bytes]) -> None:
-        """Register the request's first ``len(block_hashes)`` blocks in the prefix cache.
+    def cache_blocks(self, req_id: str, block_hashes: list[bytes], start: int = 0) -> None:
+        """Register the request's blocks at positions [start, len(block_hashes)) in the prefix
+        cache (placeholders skipped).
 
         The caller passes hashes only for full, fully computed blocks. Already-hashed blocks are
         skipped; if another block already holds a hash, that mapping wins and this block stays
@@ -183,7 +242,9 @@ class BlockManager:
         table = self._tables.get(req_id, [])
         if len(block_hashes) > len(table):
             raise ValueError(f"{len(block_hashes)} hashes for {len(table)} blocks of {req_id!r}")
-        for b, h in zip(table, block_hashes, strict=False):
+        for b, h in zip(table[start:], block_hashes[start:], strict=False):
+            if b == PLACEHOLDER:
+                continue
             block = self.blocks[b]
             if block.hash is not None or h in self._hash_to_block:
                 continue
@@ -213,7 +274,10 @@ class BlockManager:
         for i, block in enumerate(self.blocks):
             require(block.block_id == i, f"block ids: position {i} holds block {block.block_id}")
         refs: Counter[int] = Counter()
-        for req_id, table in self._tables.items():
+        for req_id, full_table in self._tables.items():
+            table = [b for b in full_table if b != PLACEHOLDER]
+            head = full_table[: len(full_table) - len(table)]
+            require(all(b == PLACEHOLDER for b in head), f"tables: {req_id!r} has a late hole")
             require(len(set(table)) == len(table), f"tables: {req_id!r} holds a block twice")
             require(all(0 <= b < self.num_blocks for b in table), f"tables: bad id in {req_id!r}")
             refs.update(table)
@@ -223,14 +287,9 @@ class BlockManager:
             require(block.ref_count == refs[b], msg)
         expected_free = {block.block_id for block in self.blocks if block.ref_count == 0}
         require(set(self._free) == expected_free, "free queue: != blocks with ref_count 0")
-        for h, b in self._hash_to_block.items():
-            require(self.blocks[b].hash == h, f"hash map: {h.hex()} -> block {b} with another hash")
-        for block in self.blocks:
-            if block.hash is not None:
-                require(
-                    self._hash_to_block.get(block.hash) == block.block_id,
-                    f"hash map: hashed block {block.block_id} missing from the map",
-                )
+        carried = [(block.hash, block.block_id) for block in self.blocks if block.hash is not None]
+        same = dict(carried) == self._hash_to_block and len(carried) == len(self._hash_to_block)
+        require(same, "hash map: != the hashes the blocks carry")
         require(self.enable_prefix_caching or not self._hash_to_block, "hash map: caching is off")
         require(
             self.num_free_blocks + len(refs) == self.num_blocks, "accounting: free + used != all"

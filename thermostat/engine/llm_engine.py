@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from thermostat import kernels
-from thermostat.engine.block_manager import BlockManager
 from thermostat.engine.config import EngineConfig, SchedulerConfig
 from thermostat.engine.constraint import ConstraintCompiler
+from thermostat.engine.kv_blocks import KVBlocks, size_pools
 from thermostat.engine.loader import LoadedModel, load_model
 from thermostat.engine.model_runner import ModelRunner
 from thermostat.engine.output_text import OutputText
@@ -66,9 +66,19 @@ class LLMEngine:
         spec = self.loaded.model.cache_spec(
             config.block_size, resolve_kv_dtype(config.kv_cache_dtype, self.loaded.dtype)
         )
-        num_blocks = spec.num_blocks_for(int(config.kv_cache_memory_gb * 2**30))
-        self.cache = PagedKVCache(spec, num_blocks, self.loaded.dtype, self.loaded.ops)
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        pools = size_pools(
+            spec,
+            int(config.kv_cache_memory_gb * 2**30),
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+        )
+        num_blocks = pools[0]
+        self.cache = PagedKVCache(spec, pools, self.loaded.dtype, self.loaded.ops)
+        self.blocks = KVBlocks.for_spec(spec, pools, config.enable_prefix_caching)
+        # what a token of context costs (the main pool) and what a sequence holds whatever its
+        # length (the window pools), in bytes: the startup line and /server_info report them
+        self.kv_bytes_per_token = spec.bytes_per_token
+        self.kv_fixed_bytes_per_sequence = spec.fixed_bytes_per_sequence
         scheduling = SchedulerConfig.of(config, self.loaded.max_model_len)
         self.scheduler = Scheduler(scheduling, self.blocks)
         self.runner = ModelRunner(
@@ -87,6 +97,15 @@ class LLMEngine:
             config.block_size,
             spec.dtype,
             kernels.status() if config.cpu_kernels else "off (cpu_kernels=False)",
+        )
+        log.info(
+            "KV bytes per token of context %.1f, fixed per sequence %d%s",
+            self.kv_bytes_per_token,
+            self.kv_fixed_bytes_per_sequence,
+            "".join(
+                f", window {w} pool {n} blocks"
+                for w, n in zip(spec.pools[1:], pools[1:], strict=True)
+            ),
         )
 
     @property
@@ -245,7 +264,7 @@ class LLMEngine:
         if req.finish_reason != "handoff" or req.handoff_slots is None:
             return None
         return Handoff(
-            rows=self.cache.export(torch.tensor(req.handoff_slots, dtype=torch.int64)),
+            rows=self.cache.export([torch.tensor(s, dtype=torch.int64) for s in req.handoff_slots]),
             first_token=req.output_token_ids[0],
             first_logprobs=result.logprobs.get(req.req_id),
             generator_state=self.runner.generator_state(req.req_id),

@@ -80,7 +80,8 @@ class ModelRunner:
         """Another engine's prefill: its rows into this cache, its first token as this step's
         sample, its generator where that token left it."""
         handoff = scheduled.handoff
-        self.cache.load(torch.tensor(scheduled.slots, dtype=torch.int64), handoff.rows)
+        slots = [torch.tensor(s, dtype=torch.int64) for s in scheduled.slots]
+        self.cache.load(slots, handoff.rows)
         req = self.requests[scheduled.req_id]
         if req.generator is not None and handoff.generator_state is not None:
             req.generator.set_state(handoff.generator_state)
@@ -137,6 +138,11 @@ class ModelRunner:
             torch.arange(len(chunks)), torch.tensor([len(c.token_ids) for c in chunks])
         )
         slot_mapping = tables[owner, pos // bs] * bs + pos % bs
+        window_tables = tuple(
+            self._block_tables([c.window_tables[p] for c in chunks])
+            for p in range(len(chunks[0].window_tables))
+        )
+        window_slots = tuple(t[owner, pos // bs] * bs + pos % bs for t in window_tables)
 
         nd = len(decodes)
         context_lens = torch.tensor([c.start + 1 for c in decodes], dtype=torch.int64)
@@ -160,6 +166,8 @@ class ModelRunner:
             decode_mask=decode_mask[:, None, None, :],
             prefills=prefills,
             sliding_window=self.sliding_window,
+            window_slot_mappings=window_slots,
+            window_block_tables=window_tables,
         )
         return torch.tensor(input_ids, dtype=torch.int64), pos, meta
 

@@ -43,11 +43,11 @@ class Request:
     text: OutputText | None = None  # None: no text-level stop conditions (token ids only)
     constraint: Constraint | None = None  # structured output: the grammar's state
     # Disaggregation. A handoff request ends ("handoff") once its first token is sampled;
-    # `handoff_slots` are then the cache slots of its prompt. A request can also start from
-    # another engine's handoff (`from_handoff`: the prompt's rows and the first token; dropped
-    # once loaded, so after a preemption the prompt is recomputed).
+    # `handoff_slots` are then the cache slots of its prompt's rows (per pool: Scheduler.slots).
+    # A request can also start from another engine's handoff (`from_handoff`: the prompt's rows
+    # and the first token; dropped once loaded, so after a preemption the prompt is recomputed).
     handoff: bool = False
-    handoff_slots: list[int] | None = None
+    handoff_slots: list[list[int]] | None = None
     from_handoff: Handoff | None = None
 
     @property

@@ -4,7 +4,9 @@ A step is `schedule() -> SchedulerOutput`, `runner.execute(out) -> RunnerOutput`
 `scheduler.update(out, result)` (engine/steps.py). Running requests are served first, in
 admission order; when blocks run out the most recently admitted running request is preempted
 (its blocks freed, its progress recomputed later). Waiting requests are admitted while budget,
-blocks and seats last.
+blocks and seats last. Blocks are those of every pool of the cache (thermostat.engine.kv_blocks):
+a request short in any pool is treated alike; after each step a request's window pools release
+the blocks that no later step reads.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections import deque
 
 from thermostat.engine.block_manager import BlockManager
 from thermostat.engine.config import SchedulerConfig
+from thermostat.engine.kv_blocks import KVBlocks, PrefixHit
 from thermostat.engine.request import Request, RequestStatus
 from thermostat.engine.steps import (
     NewRequestData,
@@ -26,9 +29,9 @@ from thermostat.sampling.structured import ConstraintError
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: KVBlocks | BlockManager) -> None:
         self.config = config
-        self.blocks = block_manager
+        self.blocks = blocks if isinstance(blocks, KVBlocks) else KVBlocks([blocks], [None])
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -103,11 +106,11 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
-            hits = [] if req.from_handoff is not None else self._prefix_hits(req)
-            cached = len(hits) * self.block_size
+            hit = None if req.from_handoff is not None else self._prefix_hit(req)
+            cached = 0 if hit is None else hit.num_blocks * self.block_size
             computed = req.num_prompt_tokens if req.from_handoff is not None else cached
             n = min(req.num_tokens - computed, budget)
-            if not self.blocks.allocate(req.req_id, computed + n, hits):
+            if not self.blocks.allocate(req.req_id, computed + n, hit, computed):
                 break
             self.waiting.popleft()
             if req.from_handoff is not None:
@@ -146,16 +149,16 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def slots(self, req_id: str, num_tokens: int) -> list[int]:
-        """The cache slots of a request's positions [0, num_tokens)."""
-        table, bs = self.blocks.block_table(req_id), self.block_size
-        return [table[pos // bs] * bs + pos % bs for pos in range(num_tokens)]
+    def slots(self, req_id: str, num_tokens: int) -> list[list[int]]:
+        """Per pool, the cache slots of a request's positions [0, num_tokens) that later steps
+        read (a window pool's: the last `window`; KVBlocks.slots)."""
+        return self.blocks.slots(req_id, num_tokens)
 
-    def _prefix_hits(self, req: Request) -> list[int]:
+    def _prefix_hit(self, req: Request) -> PrefixHit | None:
         """Cached blocks for the request's leading full blocks. At least one token is always
         left to compute (its logits are needed), and prompt logprobs need every position."""
         if not self.config.enable_prefix_caching or req.params.prompt_logprobs is not None:
-            return []
+            return None
         usable = (req.num_tokens - 1) // self.block_size
         return self.blocks.lookup(req.block_hashes[:usable])
 
@@ -169,6 +172,7 @@ class Scheduler:
             token_ids=req.token_ids(start, start + n),
             start=start,
             block_table=self.blocks.block_table(req.req_id),
+            window_tables=self.blocks.block_tables(req.req_id)[1:],
             sample=sample,
             banned_token_ids=req.banned_token_ids(),
             allowed_tokens=None if constraint is None else constraint.mask(),
@@ -202,6 +206,8 @@ class Scheduler:
             progressed.append(req)
             if ending is not None:
                 self.finish(req, *ending)
+            else:
+                self.blocks.release(req.req_id, req.num_computed_tokens)
         return progressed
 
     def _ending(self, req: Request, token: int) -> tuple[str, str | int | None] | None:

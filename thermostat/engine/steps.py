@@ -64,10 +64,11 @@ class ScheduledChunk:
     req_id: str
     token_ids: list[int]
     start: int
-    block_table: list[int]
+    block_table: list[int]  # the main pool's
     sample: bool  # the request catches up this step: sample its next token
     banned_token_ids: tuple[int, ...] = ()
     allowed_tokens: Bitmask | None = None  # a constrained request's next token (engine/constraint)
+    window_tables: list[list[int]] = field(default_factory=list)  # pools 1.. (engine/kv_blocks)
 
 
 @dataclass
@@ -76,7 +77,7 @@ class ScheduledHandoff:
     the request's first slots and takes its first token as this step's sample."""
 
     req_id: str
-    slots: list[int]
+    slots: list[list[int]]  # per pool: the slots of the rows it carries (Scheduler.slots)
     handoff: Handoff
 
 

@@ -40,6 +40,11 @@ class AttentionMetadata:
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, nb * block_size] bool, False past context
     prefills: list[PrefillSegment]
     sliding_window: int | None = None
+    # The cache's window pools (pools 1.., thermostat.engine.kv_blocks), each one tensor per pool:
+    # the new tokens' slots [T], and every sequence's table [num sequences, nb] (decodes first,
+    # then prefill segments, as above; PLACEHOLDER (-1) where blocks were released).
+    window_slot_mappings: tuple[torch.Tensor, ...] = ()
+    window_block_tables: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -14,21 +14,10 @@ always normalised, then times `routed_scaling_factor`; every expert and the shar
 `swiglu_limit`. transformers folds the legacy config keys (`compress_ratios`, `num_hash_layers`,
 `qk_rope_head_dim`) into these when it reads config.json.
 
-Cache components per token and layer (rates in tokens per row; `dtype` = the KV cache dtype,
-`model` = the model dtype):
-
-| component            | layers | rate        | values              | dtype |
-|----------------------|--------|-------------|---------------------|-------|
-| kv_nope, kv_rope     | all    | 1           | D - rd, rd          | dtype, model |
-| csa_state            | CSA    | 1           | 4 D + 4 index_dim   | model |
-| csa_nope, csa_rope   | CSA    | csa rate    | D - rd, rd          | dtype, model |
-| index                | CSA    | csa rate    | index_dim           | dtype |
-| hca_state            | HCA    | 1           | 2 D                 | model |
-| hca_nope, hca_rope   | HCA    | hca rate    | D - rd, rd          | dtype, model |
-
-Window rows and compressor state are kept for every token (the correctness-first layout: any
-block boundary is a valid prefix hit, chunk boundary and handoff); only the last `sliding_window`
-rows and the open windows' state are ever read.
+Cache components (thermostat.models.v4_cache): entries and index keys at their rates in the
+main pool; window rows and compressor state per token, each in a window pool that keeps only
+the positions a later step reads (the last W - 1 rows, the open windows' state), so any block
+boundary is still a valid prefix hit, chunk boundary and handoff.
 """
 
 from __future__ import annotations
@@ -47,10 +36,11 @@ from thermostat.models.attention import AttentionMetadata
 from thermostat.models.deepseek_v4_names import hf_names
 from thermostat.models.hyper import HyperConnection, HyperHead
 from thermostat.models.kv_cache import PagedKVCache
-from thermostat.models.kv_spec import CacheComponent, KVCacheSpec
+from thermostat.models.kv_spec import KVCacheSpec
 from thermostat.models.layers import MLP, DecoderStack, Float32Module, StackArch
 from thermostat.models.moe import Experts, MoEArch, Router, expert_target, score
 from thermostat.models.v4_attention import Fp32RMSNorm, Tables, V4Attention, V4AttentionArch
+from thermostat.models.v4_cache import v4_cache_spec
 from thermostat.models.v4_step import V4Step
 from thermostat.models.weights import Index
 
@@ -257,27 +247,7 @@ class DeepseekV4Model(DecoderStack[V4Arch]):
         return V4Arch.from_config(config, architecture)
 
     def cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        a, model = self.arch, self.compute_dtype
-        d, rd = a.attn.head_dim, a.attn.rope_dim
-        components = [
-            CacheComponent("kv_nope", (d - rd,), dtype),
-            CacheComponent("kv_rope", (rd,), model),
-        ]
-        for kind in ("csa", "hca"):
-            layers, rate = a.layers_of(kind), a.rates[kind]
-            if not layers:
-                continue
-            layer = self.layers[layers[0]]
-            assert isinstance(layer, V4Layer) and layer.self_attn.compressor is not None
-            width = layer.self_attn.compressor.cached_state_width
-            components += [
-                CacheComponent(f"{kind}_state", (width,), model, 1, layers),
-                CacheComponent(f"{kind}_nope", (d - rd,), dtype, rate, layers),
-                CacheComponent(f"{kind}_rope", (rd,), model, rate, layers),
-            ]
-            if kind == "csa":
-                components.append(CacheComponent("index", (a.attn.index_dim,), dtype, rate, layers))
-        return KVCacheSpec(a.num_layers, block_size, tuple(components))
+        return v4_cache_spec(self.arch, block_size, dtype, self.compute_dtype)
 
     @torch.inference_mode()
     def forward(
@@ -287,7 +257,7 @@ class DeepseekV4Model(DecoderStack[V4Arch]):
         meta: AttentionMetadata,
         cache: PagedKVCache,
     ) -> torch.Tensor:
-        step = V4Step.of(meta, cache.spec.block_size, self.arch.attn.window)
+        step = V4Step.of(meta, cache.spec, self.arch.attn.window)
         tables = self.rope.tables(positions)
         x: torch.Tensor = self.embed_tokens(input_ids)
         streams = x[:, None, :].expand(-1, self.arch.hc_mult, -1).contiguous()

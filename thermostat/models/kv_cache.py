@@ -8,8 +8,10 @@ slot is block_id * block_size + offset_in_block:
 | scales[name][layer] | [num_blocks, rows, *per_token_shape[:-1], 1]    | float32; fp8 only     |
 
 rows = block_size for a component of rate 1, else its rows per block (kv_spec); a component has
-tensors only for its layers. Scales are empty ([0]) unless the component is fp8_e4m3. `put` and
-`take` write and read a component's flat rows (block_id * rows + row) directly.
+tensors only for its layers, and num_blocks of its pool (`spec.pools`: the main pool, then one
+per component window; their slots and rows are the pool's own block ids times rows). Scales
+are empty ([0]) unless the component is fp8_e4m3. `put` and `take` write and read a
+component's flat rows (block_id * rows + row) directly.
 
 Reads gather whole blocks (one index_select of contiguous rows), twice as fast as gathering
 token slots.
@@ -22,12 +24,13 @@ stored, so both paths are chosen once here, when the cache is built (see thermos
 
 `export` and `load` move one sequence's rows between caches of one spec (prefill/decode
 disaggregation) as stored: fp8 rows travel as their bytes with their scales, so the copy is
-bit-exact whatever the block sizes of the two caches.
+bit-exact whatever the block sizes of the two caches. They take the slots per pool: every
+position's in the main pool, the last `window` positions' in a window pool.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,18 +55,28 @@ class PagedKVCache:
     def __init__(
         self,
         spec: KVCacheSpec,
-        num_blocks: int,
+        num_blocks: int | Sequence[int],
         compute_dtype: torch.dtype,
         ops: CpuOps | None = None,
     ) -> None:
+        """num_blocks: per pool of `spec.pools` (one number: the same for every pool)."""
         self.spec = spec
-        self.num_blocks = num_blocks
+        pools = len(spec.pools)
+        sizes = [num_blocks] * pools if isinstance(num_blocks, int) else list(num_blocks)
+        if len(sizes) != pools:
+            raise ValueError(f"{len(sizes)} block counts for {pools} pools")
+        self.pool_blocks = tuple(sizes)
+        self.num_blocks = sizes[0]
         self.compute_dtype = compute_dtype
         self.store: dict[str, dict[int, torch.Tensor]] = {}
         self.scales: dict[str, dict[int, torch.Tensor]] = {}
         self._components = {c.name: c for c in spec.components}
         for c in spec.components:
-            shape = (num_blocks, c.rows_per_block(spec.block_size), *c.per_token_shape)
+            shape = (
+                sizes[spec.pool_of(c.name)],
+                c.rows_per_block(spec.block_size),
+                *c.per_token_shape,
+            )
             # fp8 is kept as raw bytes: CPU index kernels do not take float8 tensors.
             storage = torch.uint8 if c.quantized else c.dtype
             scale_shape = (*shape[:-1], 1) if c.quantized else (0,)
@@ -145,27 +158,33 @@ class PagedKVCache:
         ends = slots[c.rate - 1 :: c.rate]
         return ends // min(c.rate, self.spec.block_size)
 
-    def export(self, slots: torch.Tensor) -> KVRows:
-        """The rows of the token slots `slots` [T] int64 (a sequence's positions 0..T-1), every
-        layer and component, copied out as stored."""
+    def export(self, slots: torch.Tensor | Sequence[torch.Tensor]) -> KVRows:
+        """The rows of a sequence's positions 0..T-1, every layer and component, copied out as
+        stored. slots: per pool, int64 (the main pool's [T], a window pool's the last
+        min(T, window) positions'); one tensor: the main pool's of a one-pool cache."""
+        pools = self._pool_slots(slots)
         tensors = {
             name: torch.stack([_slots(t).index_select(0, rows) for t in stored])
-            for name, stored, rows in self._row_tensors(slots)
+            for name, stored, rows in self._row_tensors(pools)
         }
-        return KVRows(len(slots), tensors)
+        return KVRows(len(pools[0]), tensors)
 
-    def load(self, slots: torch.Tensor, rows: KVRows) -> None:
-        """Write `rows` (exported from a cache of an equal spec description) into `slots` [T].
-        Raises ValueError if their shapes or dtypes are not this cache's."""
-        self.check_rows(rows, len(slots))
-        for name, stored, at in self._row_tensors(slots):
+    def load(self, slots: torch.Tensor | Sequence[torch.Tensor], rows: KVRows) -> None:
+        """Write `rows` (exported from a cache of an equal spec description) into `slots` (per
+        pool, as `export` takes them). Raises ValueError if their shapes or dtypes are not this
+        cache's."""
+        pools = self._pool_slots(slots)
+        self.check_rows(rows, len(pools[0]))
+        for name, stored, at in self._row_tensors(pools):
             for i, t in enumerate(stored):
                 _slots(t).index_copy_(0, at, rows.tensors[name][i])
 
     def check_rows(self, rows: KVRows, num_tokens: int) -> None:
         """Raises ValueError unless `rows` are `num_tokens` tokens with this cache's tensor shapes
         and dtypes."""
-        slots = torch.arange(num_tokens)
+        slots = [
+            torch.arange(num_tokens if w is None else min(w, num_tokens)) for w in self.spec.pools
+        ]
         expected = {
             name: ((len(stored), len(at), *stored[0].shape[2:]), stored[0].dtype)
             for name, stored, at in self._row_tensors(slots)
@@ -174,14 +193,24 @@ class PagedKVCache:
         if rows.num_tokens != num_tokens or got != expected:
             raise ValueError(f"KV rows {got} do not fit {num_tokens} tokens here ({expected})")
 
+    def _pool_slots(self, slots: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if isinstance(slots, torch.Tensor):
+            if len(self.spec.pools) != 1:
+                raise ValueError("a cache of window pools takes slots per pool")
+            return [slots]
+        if len(slots) != len(self.spec.pools):
+            raise ValueError(f"slots of {len(slots)} pools for {len(self.spec.pools)}")
+        return list(slots)
+
     def _row_tensors(
-        self, slots: torch.Tensor
+        self, slots: list[torch.Tensor]
     ) -> Iterator[tuple[str, list[torch.Tensor], torch.Tensor]]:
         """What a sequence's rows are, by their KVRows name: each component's per-layer tensors
         as stored (then its scales when it is fp8), and the rows of them that the tokens at
-        `slots` hold."""
+        `slots` (per pool) hold."""
         for c in self.spec.components:
-            rows = self.rows_of(c.name, slots)
+            pool = self.spec.pool_of(c.name)
+            rows = self.rows_of(c.name, slots[0]) if pool == 0 else slots[pool]
             yield c.name, list(self.store[c.name].values()), rows
             if c.quantized:
                 yield f"{c.name}.scale", list(self.scales[c.name].values()), rows

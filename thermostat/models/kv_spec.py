@@ -7,7 +7,18 @@ cache stores them (thermostat.models.kv_cache holds the tensors).
 A component has a `rate`: one row per `rate` tokens. The row of window w (tokens
 [w * rate, (w + 1) * rate)) lives in the block of the window's last token, at row
 `slot // min(rate, block_size)` of the flat rows (a block holds max(block_size // rate, 1)
-rows), so a block of the prefix cache carries every row whose window ends in it."""
+rows), so a block of the prefix cache carries every row whose window ends in it.
+
+A component may have a `window`: only its rows of the last `window` positions before a step's
+first new token (and the step's own) are ever read. Components of one window share a block pool
+of their own (the main pool, window None, holds the rest); every pool has the main pool's block
+size and block hashes, a sequence's table per pool is aligned with its main table, and blocks
+that fall out of the window are released (thermostat.engine.kv_blocks):
+
+| pool           | holds                    | per sequence                          |
+|----------------|--------------------------|---------------------------------------|
+| 0 (main)       | components of no window  | grows: `bytes_per_token` per token    |
+| 1.. (windowed) | rate-1 rows of a window  | fixed: `window_blocks(window)` blocks |"""
 
 from __future__ import annotations
 
@@ -34,6 +45,7 @@ class CacheComponent:
     dtype: torch.dtype  # storage dtype; float8_e4m3fn adds a float32 scale per last-dim vector
     rate: int = 1  # tokens per row
     layers: tuple[int, ...] | None = None  # the layers that store it; None: every layer
+    window: int | None = None  # positions read behind a step's first new token; None: all
 
     @property
     def quantized(self) -> bool:
@@ -71,6 +83,8 @@ class KVCacheSpec:
         for c in self.components:
             if bs % c.rate and c.rate % bs:
                 raise ValueError(f"{c.name}: rate {c.rate} does not fit blocks of {bs}")
+            if c.window is not None and (c.rate != 1 or c.window < 0):
+                raise ValueError(f"{c.name}: a window needs rate 1, got {c.rate}, {c.window}")
 
     @classmethod
     def key_value(
@@ -114,20 +128,52 @@ class KVCacheSpec:
         )
 
     @property
-    def bytes_per_block(self) -> int:
-        """Every component of every layer for one block, scales included."""
+    def pools(self) -> tuple[int | None, ...]:
+        """The window of each block pool: None (the main pool) first, then each distinct
+        window of a component, smallest first."""
+        windows = {c.window for c in self.components if c.window is not None}
+        return (None, *sorted(windows))
+
+    def pool_of(self, name: str) -> int:
+        """The index in `pools` of component `name`'s pool."""
+        window = next(c.window for c in self.components if c.name == name)
+        return self.pools.index(window)
+
+    def pool_bytes_per_block(self, pool: int) -> int:
+        """Every component of pool `pool`, every layer, for one block, scales included."""
+        window = self.pools[pool]
         return sum(
             len(c.layer_ids(self.num_layers)) * c.rows_per_block(self.block_size) * c.bytes_per_row
             for c in self.components
+            if c.window == window
         )
+
+    def window_blocks(self, window: int) -> int:
+        """Blocks a sequence holds between steps in a pool of `window`: ceil(window / bs) + 1."""
+        return -(-window // self.block_size) + 1
+
+    @property
+    def bytes_per_block(self) -> int:
+        """The main pool's components for one block (what grows with the context)."""
+        return self.pool_bytes_per_block(0)
 
     @property
     def bytes_per_token(self) -> float:
-        """What a token of context costs (a block's bytes over its tokens)."""
+        """What a token of context costs (a main block's bytes over its tokens)."""
         return self.bytes_per_block / self.block_size
 
+    @property
+    def fixed_bytes_per_sequence(self) -> int:
+        """What a sequence holds in the window pools whatever its length."""
+        return sum(
+            self.window_blocks(w) * self.pool_bytes_per_block(p)
+            for p, w in enumerate(self.pools)
+            if w is not None
+        )
+
     def num_blocks_for(self, memory_bytes: int) -> int:
-        return max(memory_bytes // self.bytes_per_block, 1)
+        """Main-pool blocks of `memory_bytes`."""
+        return max(memory_bytes // max(self.bytes_per_block, 1), 1)
 
     def describe(self) -> dict[str, object]:
         """What a token's rows are, independent of the block size: two caches whose
@@ -142,6 +188,7 @@ class KVCacheSpec:
                     "rate": c.rate,
                     "layers": list(c.layer_ids(self.num_layers)),
                 }
+                | ({} if c.window is None else {"window": c.window})
                 for c in self.components
             ],
         }
@@ -153,7 +200,8 @@ class KVRows:
 
     tensors: per component `name` -> [its layers, rows, *per_token_shape] in the storage
     dtype (fp8 as uint8), and for fp8 `name.scale` -> [its layers, rows, *shape[:-1], 1]
-    float32; rows = num_tokens // rate (the windows complete within the tokens)."""
+    float32; rows = num_tokens // rate (the windows complete within the tokens), or for a
+    component with a window the last min(num_tokens, window) positions' rows."""
 
     num_tokens: int
     tensors: dict[str, torch.Tensor]

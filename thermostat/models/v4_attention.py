@@ -19,7 +19,7 @@ entries and indexer) with the `compress` one. An entry is roped at its window's 
 CSA's compressor (and the indexer's) projects 2D per token: entry w mixes the first halves of
 window w - 1 and the second halves of window w (8 rows at rate 4).
 
-Cache components (thermostat.models.deepseek_v4 declares them): the window rows as `kv_nope`
+Cache components (thermostat.models.v4_cache declares them): the window rows as `kv_nope`
 (the cache dtype, fp8 allowed) and `kv_rope` (the model dtype, as SGLang keeps the rope part in
 bf16), the per-token compressor projections `<kind>_state` (model dtype, the inputs of windows
 not yet complete), entries `<kind>_nope`/`<kind>_rope` and the indexer's keys `index`, at their
@@ -196,8 +196,8 @@ class V4Attention(nn.Module):
         q = self.q_b_proj(q_res).view(t, a.num_heads, a.head_dim)
         q = rope_tail(unweighted_rms_norm(q, a.rms_norm_eps), cos[:, None], sin[:, None])
         kv = rope_tail(self.kv_norm(self.kv_proj(x)), cos, sin)
-        cache.put("kv_nope", layer, kv[:, : -a.rope_dim], step.slot_mapping)
-        cache.put("kv_rope", layer, kv[:, -a.rope_dim :], step.slot_mapping)
+        cache.put("kv_nope", layer, kv[:, : -a.rope_dim], step.new_slots("kv_nope"))
+        cache.put("kv_rope", layer, kv[:, -a.rope_dim :], step.new_slots("kv_rope"))
         index_q = None
         if self.compressor is not None:
             self.compressor.update(x, layer, tables, step, cache)
@@ -250,11 +250,12 @@ class CompressedKV(Compressor):
         parts = [self.state(x)]
         if self.indexer is not None:
             parts.append(self.indexer.state(x))
-        cache.put(f"{self.kind}_state", layer, torch.cat(parts, dim=-1), step.slot_mapping)
-        em = step.emissions(self.rate, self.overlap)
+        state_name = f"{self.kind}_state"
+        cache.put(state_name, layer, torch.cat(parts, dim=-1), step.new_slots(state_name))
+        em = step.emissions(self.rate, self.overlap, state_name)
         if em is None:
             return
-        state = cache.take(f"{self.kind}_state", layer, em.slots)
+        state = cache.take(state_name, layer, em.slots)
         own = self.state_width
         entries = self.compress(state[..., :own], em, tables)
         cache.put(f"{self.kind}_nope", layer, entries[:, : -self.rope_dim], em.rows)

@@ -11,6 +11,11 @@ For a sequence whose new tokens are positions [s, s + n) and a compression rate 
 | entries            | w in [0, (s + n) // r): row at w*r + r - 1   | w < (t + 1) // r            |
 | windows completed  | w in [s // r, (s + n) // r)                  | (written this step)         |
 | their state rows   | [w*r, w*r + r); with overlap [w*r - r, ...)  | (w = 0's overlap: none)     |
+
+So a step reads window rows back to s - (W - 1), CSA state back to (s // r) * r - r >= s - (2r - 1)
+and HCA state back to (s // r) * r >= s - (r - 1): the windows of those components
+(thermostat.models.v4_cache), whose rows live in window pools. A component's slots come from its
+pool's table (`V4Step.pools`; the new tokens' from the pool's slot mapping).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from thermostat.models.attention import AttentionMetadata
+from thermostat.models.kv_spec import KVCacheSpec
 
 
 @dataclass(frozen=True)
@@ -30,7 +36,7 @@ class SeqChunk:
     start: int
     length: int
     offset: int
-    table: torch.Tensor  # [nb] int64 block ids
+    tables: tuple[torch.Tensor, ...]  # per pool: [nb] int64 block ids (the main pool's first)
 
     @property
     def end(self) -> int:
@@ -65,26 +71,39 @@ class Emissions:
 @dataclass
 class V4Step:
     seqs: list[SeqChunk]
-    slot_mapping: torch.Tensor  # [T] the new tokens' slots
+    slot_mappings: tuple[torch.Tensor, ...]  # per pool: [T] the new tokens' slots
     block_size: int
     window: int
+    pools: dict[str, int]  # component -> its pool (KVCacheSpec.pool_of)
     _memo: dict[tuple[object, ...], object] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, meta: AttentionMetadata, block_size: int, window: int) -> V4Step:
+    def of(cls, meta: AttentionMetadata, spec: KVCacheSpec, window: int) -> V4Step:
+        def tables(main: torch.Tensor, i: int) -> tuple[torch.Tensor, ...]:
+            return (main, *(t[i] for t in meta.window_block_tables))
+
         seqs = [
-            SeqChunk(int(meta.decode_context_lens[i]) - 1, 1, i, meta.decode_block_tables[i])
+            SeqChunk(
+                int(meta.decode_context_lens[i]) - 1, 1, i, tables(meta.decode_block_tables[i], i)
+            )
             for i in range(meta.num_decodes)
         ]
         offset = meta.num_decodes
-        for seg in meta.prefills:
-            seqs.append(SeqChunk(seg.ctx_len - seg.q_len, seg.q_len, offset, seg.block_table[0]))
+        for i, seg in enumerate(meta.prefills, start=meta.num_decodes):
+            start = seg.ctx_len - seg.q_len
+            seqs.append(SeqChunk(start, seg.q_len, offset, tables(seg.block_table[0], i)))
             offset += seg.q_len
-        return cls(seqs, meta.slot_mapping, block_size, window)
+        slot_mappings = (meta.slot_mapping, *meta.window_slot_mappings)
+        pools = {c.name: spec.pool_of(c.name) for c in spec.components}
+        return cls(seqs, slot_mappings, spec.block_size, window, pools)
 
-    def slots(self, seq: SeqChunk, positions: torch.Tensor) -> torch.Tensor:
-        bs = self.block_size
-        return seq.table[positions // bs] * bs + positions % bs
+    def new_slots(self, name: str) -> torch.Tensor:
+        """[T] the slots of this step's tokens in component `name`'s pool."""
+        return self.slot_mappings[self.pools[name]]
+
+    def slots(self, seq: SeqChunk, positions: torch.Tensor, pool: int = 0) -> torch.Tensor:
+        bs, table = self.block_size, seq.tables[pool]
+        return table[positions // bs] * bs + positions % bs
 
     def window_of(self, i: int) -> Window:
         key = ("window", i)
@@ -93,7 +112,7 @@ class V4Step:
             kv_pos = torch.arange(max(0, seq.start - self.window + 1), seq.end)
             q_pos = seq.query_positions()[:, None]
             visible = (kv_pos[None, :] <= q_pos) & (kv_pos[None, :] > q_pos - self.window)
-            self._memo[key] = Window(self.slots(seq, kv_pos), visible)
+            self._memo[key] = Window(self.slots(seq, kv_pos, self.pools["kv_nope"]), visible)
         found = self._memo[key]
         assert isinstance(found, Window)
         return found
@@ -110,17 +129,18 @@ class V4Step:
         assert isinstance(found, Entries)
         return found
 
-    def emissions(self, rate: int, overlap: bool) -> Emissions | None:
+    def emissions(self, rate: int, overlap: bool, state: str) -> Emissions | None:
         """The windows of `rate` that this step's tokens complete; with `overlap` (CSA) each
-        mixes the previous window's rows too. None: no window completes."""
-        key = ("emissions", rate, overlap)
+        mixes the previous window's rows too, read from component `state`. None: no window
+        completes."""
+        key = ("emissions", rate, overlap, state)
         if key not in self._memo:
-            self._memo[key] = self._emissions(rate, overlap)
+            self._memo[key] = self._emissions(rate, overlap, self.pools[state])
         found = self._memo[key]
         assert found is None or isinstance(found, Emissions)
         return found
 
-    def _emissions(self, rate: int, overlap: bool) -> Emissions | None:
+    def _emissions(self, rate: int, overlap: bool, pool: int) -> Emissions | None:
         width = 2 * rate if overlap else rate
         back = rate if overlap else 0
         slots, valid, first, rows = [], [], [], []
@@ -129,7 +149,7 @@ class V4Step:
             if not len(w):
                 continue
             pos = (w * rate - back)[:, None] + torch.arange(width)[None, :]
-            slots.append(self.slots(seq, pos.clamp_min(0)))
+            slots.append(self.slots(seq, pos.clamp_min(0), pool))
             valid.append(pos >= 0)
             first.append(w * rate)
             rows.append(self.slots(seq, w * rate + rate - 1) // min(rate, self.block_size))

@@ -44,6 +44,10 @@ class ServerState(Lifecycle):
         # Set once loaded (routes that use serving, prompts and tokens are served only when
         # ready: see server.middleware):
         self.engine: AsyncEngine | None = None
+        # the engine's KV cost (LLMEngine: per token of context, per sequence whatever its length)
+        self.kv_bytes: dict[str, float | int | None] = dict.fromkeys(
+            ("kv_bytes_per_token", "kv_fixed_bytes_per_sequence")
+        )
         self.serving: Serving
         self.prompts: PromptBuilder
         self.tokens: TokenText
@@ -80,6 +84,10 @@ class ServerState(Lifecycle):
         self.prompts = PromptBuilder(engine.tokenizer, engine.max_model_len)
         self.tokens = TokenText(engine.tokenizer)
         self.max_model_len = engine.max_model_len
+        self.kv_bytes = {
+            "kv_bytes_per_token": engine.kv_bytes_per_token,
+            "kv_fixed_bytes_per_sequence": engine.kv_fixed_bytes_per_sequence,
+        }
         self.model_config = engine.loaded.config_dict
         self.tool_parser = parser_for(
             self.model_config,
