@@ -19,8 +19,10 @@ from tests.test_handoff import run as run_group
 from tests.v4_official import dequantized_hf_checkpoint, write_hf_v4, write_official_checkpoint
 from thermostat import LLM, SamplingParams
 from thermostat.cli import main
+from thermostat.engine.block_manager import compute_block_hashes
 from thermostat.engine.kv_blocks import size_pools
 from thermostat.models.deepseek_v4 import V4Arch
+from thermostat.models.v4_cache import v4_cache_requirement, v4_cache_spec
 from thermostat.random_model import build_tokenizer, write_model
 
 VOCAB = 320
@@ -85,6 +87,52 @@ def test_prefix_hit_inside_an_open_hca_window_equals_a_miss(v4):
     assert hit.num_cached_tokens == 36
     assert hit.token_ids == greedy_tokens(miss, [branch])[0]
     llm.engine.blocks.check_integrity()
+
+
+def test_long_generation_holds_a_bounded_window(v4):
+    """Hundreds of tokens (blocks of 4): between steps the sequence holds at most
+    ceil(window / 4) + 1 blocks of each window pool, while the main pool (entries and index keys
+    only, at their rates) holds a block per 4 tokens of context."""
+    path, _, alone = v4
+    llm = LLM(str(path), dtype="float32", block_size=4, max_num_batched_tokens=16)
+    engine, spec = llm.engine, llm.engine.cache.spec
+    assert all(c.rate > 1 for c in spec.components if c.window is None)
+    assert len(spec.pools) > 2 and spec.pools[1] == 7  # kv rows (W = 8 or 16), CSA state
+    params = SamplingParams(temperature=0.0, max_tokens=250, ignore_eos=True)
+    (queued,) = engine.add_group("long", engine.plan([PROMPTS[2]], params))
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for delta in engine.step():
+            tokens += delta.new_token_ids
+        req = engine.scheduler.requests.get(queued.req_id)
+        if req is None:
+            continue
+        held = [pool.num_blocks - pool.num_free_blocks for pool in engine.blocks.pools]
+        assert held[0] == -(-req.num_computed_tokens // 4)
+        for window, n in zip(spec.pools[1:], held[1:], strict=True):
+            assert n <= spec.window_blocks(window), (req.num_computed_tokens, window, n)
+    assert len(tokens) == 250 and tokens[:20] == alone[2]
+    engine.blocks.check_integrity()
+
+
+def test_prefix_hit_lacking_a_window_block_falls_back_to_a_shorter_exact_hit(v4):
+    """The window pool's block of positions [32, 36) is evicted: a hit of 36 tokens would lack
+    window rows, so the hit is 32 tokens, and its continuation is a miss's."""
+    path, _, alone = v4
+    llm = LLM(str(path), dtype="float32", block_size=4)
+    assert greedy_tokens(llm, [PROMPTS[2]]) == [alone[2]]
+    blocks = llm.engine.blocks
+    kv_pool = blocks.pools[llm.engine.cache.spec.pool_of("kv_nope")]
+    hashes = compute_block_hashes(PROMPTS[2], 4)
+    evicted = kv_pool._hash_to_block.pop(hashes[8])  # as the allocator evicts a free block
+    kv_pool.blocks[evicted].hash = None
+    blocks.check_integrity()
+    branch = PROMPTS[2][:38] + [7, 8, 9, 10, 11]
+    (hit,) = llm.generate([branch], GREEDY)
+    assert hit.num_cached_tokens == 32
+    miss = LLM(str(path), dtype="float32", enable_prefix_caching=False)
+    assert hit.token_ids == greedy_tokens(miss, [branch])[0]
+    blocks.check_integrity()
 
 
 def test_preemption_equals_no_preemption(v4):
@@ -190,12 +238,36 @@ def server_text(path, token_ids: list[int]) -> str:
 
 
 def test_flash_shapes_cache_bytes():
-    """The config's shapes at V4-Flash: what the engine stores per token of context."""
+    """The config's shapes at V4-Flash (a bfloat16 model, blocks of 16): what the engine stores
+    per token of context and per sequence whatever its length, against what the shapes require
+    (thermostat.models.v4_cache). Per token within 1.25x in fp8 and bfloat16 (the engine keeps
+    one HCA row per block of 16 where 1 per 128 is needed); fixed per sequence within 1.25x of
+    the note's requirement, which keeps compressor state in float32 (SGLang, vLLM), while the
+    engine keeps it in the model dtype; against a bfloat16-state requirement it is ~1.35x
+    (CSA state: two blocks of 16 for a window of 7 positions)."""
     arch = V4Arch.from_config(
         DeepseekV4Config(compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0]), "DeepseekV4ForCausalLM"
     )
     assert arch.kinds.count("csa") == 21 and arch.kinds.count("hca") == 20
     assert arch.layers_of("sliding") == (0, 1)
+    fp8_per_token, _ = v4_cache_requirement(arch, torch.float8_e4m3fn, torch.float32)
+    assert fp8_per_token == pytest.approx(3850, abs=1)  # the note's 21*(584+132)/4 + 20*584/128
+    report = {}
+    for kv in (torch.float8_e4m3fn, torch.bfloat16):
+        spec = v4_cache_spec(arch, 16, kv, torch.bfloat16)
+        assert spec.pools == (None, 7, 127)  # CSA state; window rows and HCA state
+        for state in (torch.float32, torch.bfloat16):
+            per_token, fixed = v4_cache_requirement(arch, kv, state)
+            report[str(kv), str(state)] = (
+                spec.bytes_per_token,
+                spec.fixed_bytes_per_sequence,
+                round(spec.bytes_per_token / per_token, 3),
+                round(spec.fixed_bytes_per_sequence / fixed, 3),
+            )
+            assert spec.bytes_per_token <= 1.25 * per_token
+            if state == torch.float32:
+                assert spec.fixed_bytes_per_sequence <= 1.25 * fixed
+    print(f"V4-Flash (kv, required state dtype) -> bytes/token, fixed/seq, ratios: {report}")
 
 
 def test_diagnose_names_greedy_decoding_on_v4(tmp_path, capsys):
