@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 import torch
 from transformers import DeepseekV4Config
@@ -229,6 +230,10 @@ def test_served_over_http_as_by_the_engine(v4):
             stream=True,
         )
         chunks = list(chat)
+        info = httpx.get(f"{server.url}/server_info").json()
+        spec = server.engine.cache.spec
+    assert info["kv_bytes_per_token"] == spec.bytes_per_token > 0
+    assert info["kv_fixed_bytes_per_sequence"] == spec.fixed_bytes_per_sequence > 0
     assert got.choices[0].text == server_text(path, alone[2])
     assert chunks[-1].choices == [] or chunks[-1].choices[0].finish_reason is not None
 

@@ -209,3 +209,22 @@ def test_scheduler_takes_a_block_manager_as_one_pool() -> None:
     sched.add(request("a", prompt(6), max_tokens=2))
     step(sched)
     assert sched.blocks.block_tables("a") == [sched.blocks.block_table("a")]
+
+
+def test_a_handoff_holds_and_caches_only_whole_window_blocks() -> None:
+    """A request loaded from a handoff of 14 prompt tokens holds window rows only from
+    position 14 - WINDOW = 9 on: its window blocks before 9 // BS are placeholders, and only
+    blocks wholly loaded (from ceil(9 / BS) on) are cached."""
+    kv = pools()
+    hashes = compute_block_hashes(list(range(16)), BS)
+    assert kv.allocate("h", 15, num_computed=14)
+    main, window = kv.block_tables("h")
+    assert len(main) == len(window) == 4 and window[:2] == [PLACEHOLDER] * 2
+    assert [len(s) for s in kv.slots("h", 14)] == [14, WINDOW]
+    kv.release("h", 16)  # 16 computed: positions >= 11 stay
+    kv.cache_blocks("h", hashes[:4])
+    assert kv.pools[1].lookup_range(hashes[:4], 2) is None  # block 2 lacks position 8's rows
+    assert kv.pools[1].lookup_range(hashes[:4], 3) == [window[3]]
+    kv.free("h")
+    kv.check_integrity()
+    assert kv.lookup(hashes[:4]).num_blocks == 0  # 4 blocks need window blocks 2 and 3
