@@ -167,12 +167,13 @@ class Scheduler:
         catches_up = start + n == req.num_tokens
         sample = catches_up and req.num_output_tokens < req.max_tokens
         constraint = req.constraint if sample else None
+        main, *windows = self.blocks.block_tables(req.req_id)
         return ScheduledChunk(
             req_id=req.req_id,
             token_ids=req.token_ids(start, start + n),
             start=start,
-            block_table=self.blocks.block_table(req.req_id),
-            window_tables=self.blocks.block_tables(req.req_id)[1:],
+            block_table=main,
+            window_tables=windows,
             sample=sample,
             banned_token_ids=req.banned_token_ids(),
             allowed_tokens=None if constraint is None else constraint.mask(),
