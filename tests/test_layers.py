@@ -54,6 +54,7 @@ def test_registry_is_the_list_of_served_architectures(tmp_path):
     assert set(ARCHITECTURES) == {
         "DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM",
+        "DeepseekV4ForCausalLM",
         "LlamaForCausalLM",
         "MistralForCausalLM",
         "MixtralForCausalLM",
