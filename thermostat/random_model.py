@@ -129,7 +129,7 @@ _V4_BASE: dict[str, Any] = dict(
     n_routed_experts=4,
     num_experts_per_tok=2,
     moe_intermediate_size=32,
-    index_n_heads=2,
+    index_n_heads=8,
     index_head_dim=16,
     partial_rotary_factor=0.25,
 )

@@ -143,27 +143,32 @@ class Indexer(Compressor):
     def choose(
         self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor
     ) -> torch.Tensor:
-        """q [n, Hi, Di], w [n, Hi], keys [E, Di], visible [n, E] -> chosen [n, E] bool: the
-        top index_topk visible entries by score."""
-        scores = F.relu(torch.matmul(q, keys.float().T)) * self.a.index_dim**-0.5
-        scores = (scores * w[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
-        k = min(self.a.index_topk, keys.shape[0])
-        top = scores.topk(k, dim=-1).indices
-        return torch.zeros_like(visible).scatter_(1, top, True) & visible
+        """q [B, n, Hi, Di], w [B, n, Hi], keys [B, E, Di], visible [B, n, E] -> chosen
+        [B, n, E] bool: each query's top index_topk visible entries by score."""
+        b, n, h, _ = q.shape
+        dots = torch.matmul(q.reshape(b, n * h, -1), keys.float().transpose(1, 2))
+        scores = F.relu(dots.view(b, n, h, -1)) * self.a.index_dim**-0.5
+        scores = (scores * w[..., None]).sum(dim=2).masked_fill(~visible, float("-inf"))
+        # a stable sort, not topk: equal scores (all heads' relu at 0 is common with few heads)
+        # go to the earlier entry whatever the batch's shape, so batching never changes a pick
+        k = min(self.a.index_topk, keys.shape[1])
+        top = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+        return torch.zeros_like(visible).scatter_(2, top, True) & visible
 
 
 def attend(
     q: torch.Tensor, rows: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q [n, H, D] over rows [K, D] (keys and values) where visible [n, K], with one sink
-    logit per head in the softmax's denominator -> [n, H, D]."""
-    logits = torch.matmul(q, rows.T) * scale  # [n, H, K]
-    logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
-    sink = sinks.view(1, -1, 1).expand(q.shape[0], -1, 1).to(logits.dtype)
+    """q [B, n, H, D] over rows [B, K, D] (keys and values) where visible [B, n, K], with one
+    sink logit per head in the softmax's denominator -> [B, n, H, D]."""
+    b, n, h, d = q.shape
+    logits = torch.matmul(q.reshape(b, n * h, d), rows.transpose(1, 2)).view(b, n, h, -1)
+    logits = (logits * scale).masked_fill(~visible[:, :, None, :], float("-inf"))
+    sink = sinks.view(1, 1, -1, 1).expand(b, n, -1, 1).to(logits.dtype)
     combined = torch.cat([logits, sink], dim=-1)
     combined = combined - combined.amax(dim=-1, keepdim=True)
     probs = combined.float().softmax(dim=-1)[..., :-1].to(rows.dtype)
-    return torch.matmul(probs, rows)
+    return torch.matmul(probs.view(b, n * h, -1), rows).view(b, n, h, d)
 
 
 class V4Attention(nn.Module):
@@ -205,23 +210,29 @@ class V4Attention(nn.Module):
                 index_q = self.compressor.indexer.queries(x, q_res, cos, sin)
         out = q.new_empty(t, a.num_heads, a.head_dim)
         scale = a.head_dim**-0.5
-        for i, seq in enumerate(step.seqs):
-            rows_of_seq = slice(seq.offset, seq.offset + seq.length)
-            window = step.window_of(i)
-            rows = _rows(cache, "kv", layer, window.slots)
-            visible = window.visible
+        for span, members in step.groups():
+            b = len(members)
+            keys = step.keys(members, self.rate)
+            rows = _rows(cache, "kv", layer, keys.window_slots)  # [B, K, D]
+            visible = keys.window_visible
             if self.compressor is not None:
-                entries = step.entries_of(i, self.rate)
-                entry_rows = _rows(cache, self.kind, layer, entries.rows)
-                seen = entries.visible
+                seen = keys.entry_visible
                 indexer = self.compressor.indexer
-                if indexer is not None and index_q is not None and len(entries.rows):
-                    keys = cache.take("index", layer, entries.rows)
-                    qi, wi = index_q[0][rows_of_seq], index_q[1][rows_of_seq]
-                    seen = indexer.choose(qi, wi, keys, seen)
-                rows = torch.cat([rows, entry_rows])
-                visible = torch.cat([visible, seen], dim=1)
-            out[rows_of_seq] = attend(q[rows_of_seq], rows, visible, self.sinks, scale)
+                if indexer is not None and index_q is not None and seen.shape[-1]:
+                    qi, wi = index_q[0][span], index_q[1][span]
+                    index_keys = cache.take("index", layer, keys.entry_rows)
+                    seen = indexer.choose(
+                        qi.view(b, -1, *qi.shape[1:]),
+                        wi.view(b, -1, wi.shape[-1]),
+                        index_keys,
+                        seen,
+                    )
+                rows = torch.cat([rows, _rows(cache, self.kind, layer, keys.entry_rows)], dim=1)
+                visible = torch.cat([visible, seen], dim=2)
+            o = attend(
+                q[span].view(b, -1, a.num_heads, a.head_dim), rows, visible, self.sinks, scale
+            )
+            out[span] = o.flatten(0, 1)
         out = rope_tail(out, cos[:, None], -sin[:, None])
         grouped = self.o_a_proj(out.view(t, a.o_groups, -1))
         y: torch.Tensor = self.o_b_proj(grouped.flatten(1))

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from thermostat.models.attention import AttentionMetadata
 from thermostat.models.kv_spec import KVCacheSpec
@@ -47,15 +48,13 @@ class SeqChunk:
 
 
 @dataclass(frozen=True)
-class Window:
-    slots: torch.Tensor  # [K] the window rows' slots, oldest first
-    visible: torch.Tensor  # [n, K] bool
+class Keys:
+    """What a group of B sequences of n queries each attends to (padded rows are not visible)."""
 
-
-@dataclass(frozen=True)
-class Entries:
-    rows: torch.Tensor  # [E] rows of the rate's entry components
-    visible: torch.Tensor  # [n, E] bool: the window closed at or before the query
+    window_slots: torch.Tensor  # [B, K] the window rows' slots, oldest first
+    window_visible: torch.Tensor  # [B, n, K] bool
+    entry_rows: torch.Tensor  # [B, E] rows of the rate's entry components
+    entry_visible: torch.Tensor  # [B, n, E] bool: the window closed at or before the query
 
 
 @dataclass(frozen=True)
@@ -102,32 +101,41 @@ class V4Step:
         return self.slot_mappings[self.pools[name]]
 
     def slots(self, seq: SeqChunk, positions: torch.Tensor, pool: int = 0) -> torch.Tensor:
+        """The slots of a sequence's `positions` in a pool (any shape)."""
         bs, table = self.block_size, seq.tables[pool]
         return table[positions // bs] * bs + positions % bs
 
-    def window_of(self, i: int) -> Window:
-        key = ("window", i)
-        if key not in self._memo:
+    def groups(self) -> list[tuple[slice, list[int]]]:
+        """Sequences attended together, as (their rows of the flat batch, their indices): the
+        decodes (one query each) as one group, then each prefill chunk alone."""
+        decodes = [i for i, seq in enumerate(self.seqs) if seq.length == 1 and seq.offset == i]
+        groups = [(slice(0, len(decodes)), decodes)] if decodes else []
+        for i in range(len(decodes), len(self.seqs)):
             seq = self.seqs[i]
-            kv_pos = torch.arange(max(0, seq.start - self.window + 1), seq.end)
-            q_pos = seq.query_positions()[:, None]
-            visible = (kv_pos[None, :] <= q_pos) & (kv_pos[None, :] > q_pos - self.window)
-            self._memo[key] = Window(self.slots(seq, kv_pos, self.pools["kv_nope"]), visible)
+            groups.append((slice(seq.offset, seq.end - seq.start + seq.offset), [i]))
+        return groups
+
+    def keys(self, members: list[int], rate: int) -> Keys:
+        """The window rows and (rate > 0) the entries of `rate` that a group attends to."""
+        key = ("keys", members[0], len(members), rate)
+        if key not in self._memo:
+            self._memo[key] = self._keys(members, rate)
         found = self._memo[key]
-        assert isinstance(found, Window)
+        assert isinstance(found, Keys)
         return found
 
-    def entries_of(self, i: int, rate: int) -> Entries:
-        key = ("entries", i, rate)
-        if key not in self._memo:
+    def _keys(self, members: list[int], rate: int) -> Keys:
+        slots, seen, rows, visible = [], [], [], []
+        for i in members:
             seq = self.seqs[i]
-            w = torch.arange(seq.end // rate)
-            rows = self.slots(seq, w * rate + rate - 1) // min(rate, self.block_size)
-            visible = w[None, :] < (seq.query_positions()[:, None] + 1) // rate
-            self._memo[key] = Entries(rows, visible)
-        found = self._memo[key]
-        assert isinstance(found, Entries)
-        return found
+            q_pos = seq.query_positions()[:, None]
+            kv_pos = torch.arange(max(0, seq.start - self.window + 1), seq.end)
+            slots.append(self.slots(seq, kv_pos, self.pools["kv_nope"]))
+            seen.append((kv_pos[None, :] <= q_pos) & (kv_pos[None, :] > q_pos - self.window))
+            w = torch.arange(seq.end // rate if rate else 0)
+            rows.append(self.slots(seq, w * rate + rate - 1) // max(min(rate, self.block_size), 1))
+            visible.append(w[None, :] < (q_pos + 1) // max(rate, 1))
+        return Keys(_pad(slots), _pad(seen), _pad(rows), _pad(visible))
 
     def emissions(self, rate: int, overlap: bool, state: str) -> Emissions | None:
         """The windows of `rate` that this step's tokens complete; with `overlap` (CSA) each
@@ -156,3 +164,9 @@ class V4Step:
         if not slots:
             return None
         return Emissions(torch.cat(slots), torch.cat(valid), torch.cat(first), torch.cat(rows))
+
+
+def _pad(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Tensors that differ in their last dim, stacked with zeros (False) after each."""
+    width = max(t.shape[-1] for t in tensors)
+    return torch.stack([F.pad(t, (0, width - t.shape[-1])) for t in tensors])
