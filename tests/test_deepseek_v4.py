@@ -155,11 +155,13 @@ def test_preemption_equals_no_preemption(v4):
         assert pool.num_free_blocks == pool.num_blocks
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
-def test_rows_hand_off_between_engines(v4, kv_cache_dtype):
+@pytest.mark.parametrize(
+    ("kind", "kv_cache_dtype"), [("deepseek_v4", "fp8_e4m3"), ("deepseek_v4_pro", "auto")]
+)
+def test_rows_hand_off_between_engines(tmp_path, kind, kv_cache_dtype):
     """Window rows, compressor state, entries and index keys move between caches of different
     block sizes; the continuation is what one engine generates."""
-    path = v4[0]
+    path = write_model(tmp_path / kind, kind)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     config = {"dtype": "float32", "kv_cache_dtype": kv_cache_dtype}
     single = LLM(str(path), enable_prefix_caching=False, **config).engine
