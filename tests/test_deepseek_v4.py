@@ -90,6 +90,7 @@ def test_prefix_hit_inside_an_open_hca_window_equals_a_miss(v4):
     llm.engine.blocks.check_integrity()
 
 
+@pytest.mark.parametrize("v4", ["deepseek_v4"], indirect=True)  # one layer mix is enough
 def test_long_generation_holds_a_bounded_window(v4):
     """Hundreds of tokens (blocks of 4): between steps the sequence holds at most
     ceil(window / 4) + 1 blocks of each window pool, while the main pool (entries and index keys
@@ -116,6 +117,7 @@ def test_long_generation_holds_a_bounded_window(v4):
     engine.blocks.check_integrity()
 
 
+@pytest.mark.parametrize("v4", ["deepseek_v4"], indirect=True)  # one layer mix is enough
 def test_prefix_hit_lacking_a_window_block_falls_back_to_a_shorter_exact_hit(v4):
     """The window pool's block of positions [32, 36) is evicted: a hit of 36 tokens would lack
     window rows, so the hit is 32 tokens, and its continuation is a miss's."""
@@ -183,7 +185,7 @@ def test_fp8_cache_stays_close_to_full_precision(tmp_path):
     alone flips top-1 choices by margins of 1.5 nats), which would measure the model, not the
     cache."""
     path = write_model(tmp_path / "v4", "deepseek_v4", initializer_range=0.05)
-    long_prompts = [list(range(1, 200, 3)), PROMPTS[3]]
+    long_prompts = [list(range(1, 200, 3))]
     report = {}
     for chunk in (8, 1):
         runs = {}
@@ -281,6 +283,6 @@ def test_diagnose_names_greedy_decoding_on_v4(tmp_path, capsys):
     """The case on its own architecture: greedy decoding loops, sampling does not, and the fp8
     cache changes nothing; `diagnose` says so."""
     path = write_model(tmp_path / "v4", "deepseek_v4", initializer_range=0.02)
-    code = main(["diagnose", "--model", str(path), "--max-tokens", "64", "--dtype", "float32"])
+    code = main(["diagnose", "--model", str(path), "--max-tokens", "48", "--dtype", "float32"])
     out = " ".join(capsys.readouterr().out.split())
     assert code == 1 and "cause: greedy decoding" in out
