@@ -112,7 +112,7 @@ class V4Step:
         groups = [(slice(0, len(decodes)), decodes)] if decodes else []
         for i in range(len(decodes), len(self.seqs)):
             seq = self.seqs[i]
-            groups.append((slice(seq.offset, seq.end - seq.start + seq.offset), [i]))
+            groups.append((slice(seq.offset, seq.offset + seq.length), [i]))
         return groups
 
     def keys(self, members: list[int], rate: int) -> Keys:
