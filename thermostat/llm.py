@@ -70,10 +70,10 @@ class LLM:
         greedy: str = "allow",
         **engine_options: Any,
     ) -> None:
-        from thermostat.engine.loader import load_model
+        from thermostat.engine.loader import load_configured
 
         config = EngineConfig(model=str(model), **engine_options)
-        loaded = load_model(config.model, config.dtype, config.max_model_len, config.cpu_kernels)
+        loaded = load_configured(config)
         defaults = build_sampling_defaults(
             loaded.generation_config.values,
             loaded.config_dict,

@@ -35,8 +35,11 @@ from thermostat.models.kv_spec import KVRows
 GENERATOR = "generator_state"
 
 
-def model_identity(model_dir: Path, architecture: str, dtype: str) -> dict[str, str]:
-    """The model as two servers can compare it cheaply: architecture, compute dtype, a hash of
+def model_identity(
+    model_dir: Path, architecture: str, dtype: str, weight_format: str
+) -> dict[str, str]:
+    """The model as two servers can compare it cheaply: architecture, compute dtype, the weight
+    format served (int8 on one half and bfloat16 on the other differ in every logit), a hash of
     config.json and one of the weight files' names and sizes (not their bytes: hashing a large
     checkpoint at every start costs minutes)."""
     config = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()[:16]
@@ -46,7 +49,13 @@ def model_identity(model_dir: Path, architecture: str, dtype: str) -> dict[str, 
         if p.suffix in (".safetensors", ".bin", ".pt")
     )
     files = hashlib.sha256(json.dumps(weights).encode()).hexdigest()[:16]
-    return {"architecture": architecture, "dtype": dtype, "config": config, "weights": files}
+    return {
+        "architecture": architecture,
+        "dtype": dtype,
+        "weight_format": weight_format,
+        "config": config,
+        "weights": files,
+    }
 
 
 def fingerprint(

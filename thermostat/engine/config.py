@@ -20,6 +20,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; default: all cores
     stop_on_loop: bool = False  # end a generation once its text certainly ends in a loop
     cpu_kernels: bool = True  # compiled decode kernels where the CPU has them (thermostat.kernels)
+    quantization: str | None = None  # int8 | int4: weights quantized at load; None: the dtype
 
     def __post_init__(self) -> None:
         checks = {

@@ -18,7 +18,7 @@ from thermostat import kernels
 from thermostat.engine.config import EngineConfig, SchedulerConfig
 from thermostat.engine.constraint import ConstraintCompiler
 from thermostat.engine.kv_blocks import KVBlocks, size_pools
-from thermostat.engine.loader import LoadedModel, load_model
+from thermostat.engine.loader import LoadedModel, load_configured
 from thermostat.engine.model_runner import ModelRunner
 from thermostat.engine.output_text import OutputText
 from thermostat.engine.outputs import QueuedRequest, RequestDelta
@@ -55,9 +55,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.loaded = loaded or load_model(
-            config.model, config.dtype, config.max_model_len, config.cpu_kernels
-        )
+        self.loaded = loaded or load_configured(config)
         self.tokenizer = self.loaded.tokenizer
         self.sampling_defaults = sampling_defaults or SamplingDefaults(
             generation_config=self.loaded.generation_config.values
@@ -97,6 +95,12 @@ class LLMEngine:
             config.block_size,
             spec.dtype,
             kernels.status() if config.cpu_kernels else "off (cpu_kernels=False)",
+        )
+        log.info(
+            "weights: %s, %.1f MB%s",
+            self.loaded.weight_format,
+            self.loaded.weight_bytes / 1e6,
+            " (quantized at load: --quantization)" if config.quantization else "",
         )
         log.info(
             "KV bytes per token of context %.1f, fixed per sequence %d%s",

@@ -5,23 +5,31 @@ generation_config.json. Every failure names the file or field at fault. Block-fp
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from thermostat import kernels
+from thermostat.engine.config import EngineConfig
 from thermostat.models.fp8_weights import BlockFP8
 from thermostat.models.registry import ArchFacts, CausalLM, model_class
+from thermostat.models.weight_format import check_quantization, quantize_model, weight_bytes
 from thermostat.sampling.generation_config import (
     GenerationConfigDefaults,
     read_generation_config,
 )
+
+log = logging.getLogger("thermostat.loader")
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "demo"
 
@@ -44,6 +52,8 @@ class LoadedModel:
     dtype: torch.dtype
     max_model_len: int
     ops: kernels.CpuOps | None = None  # the compiled kernels the model (and its KV cache) may use
+    weight_format: str = ""  # int8 | int4 | the dtype's name (bfloat16, ...): as served
+    weight_bytes: int = 0  # what the weights take in memory as served
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -103,15 +113,37 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, handle.get_tensor(name)
 
 
+def load_configured(config: EngineConfig) -> LoadedModel:
+    """`load_model` with an EngineConfig's settings."""
+    return load_model(
+        config.model, config.dtype, config.max_model_len, config.cpu_kernels, config.quantization
+    )
+
+
+@contextlib.contextmanager
+def progress_note(what: str) -> Iterator[None]:
+    """Logs `what` and, once done, how long it took (a long step of the load shows up)."""
+    log.info("%s ...", what)
+    start = time.perf_counter()
+    yield
+    log.info("%s: done in %.1f s", what, time.perf_counter() - start)
+
+
 def load_model(
     model: str | Path,
     dtype: str = "auto",
     max_model_len: int | None = None,
     cpu_kernels: bool = True,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """`cpu_kernels`: use thermostat.kernels where this machine can run them (else, or when
-    False, the pure-PyTorch path)."""
+    False, the pure-PyTorch path). `quantization`: int8 | int4 serves the weights in that
+    format (thermostat.models.weight_format), quantized once here; None: in the dtype."""
     path = resolve_model_path(model)
+    try:
+        check_quantization(quantization)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as exc:  # transformers raises several types for a bad config
@@ -131,6 +163,12 @@ def load_model(
         net.load_weights(tensors if fp8 is None else fp8.read(tensors))
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
+    if quantization is not None:
+        try:
+            with progress_note(f"quantizing the weights to {quantization}"):
+                quantize_model(cast(nn.Module, net), quantization, ops)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from exc
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise ModelLoadError(f"{path}: tokenizer.json / tokenizer_config.json is missing")
     try:
@@ -155,4 +193,6 @@ def load_model(
         dtype=torch_dtype,
         max_model_len=limit,
         ops=ops,
+        weight_format=quantization or str(torch_dtype).removeprefix("torch."),
+        weight_bytes=weight_bytes(cast(nn.Module, net)),
     )

@@ -18,7 +18,8 @@ that make the choice; forward code calls the function chosen:
 |                        | mla.MLAttention.__init__       | qk_rope_head_dim % 32 == 0             |
 | silu_mul               | layers.MLP.__init__,           | intermediate_size % 16 == 0            |
 |                        | moe.Experts.__init__           | moe_intermediate_size % 16 == 0        |
-| pack_vnni, linear_vnni | linear.PackedLinear.__init__   | bf16, batches of <= vnni_max_rows()    |
+| pack_vnni, linear_vnni | linear.PackedLinear.__init__   | bf16 (every batch size)                |
+| linear_quant           | linear.QuantLinear (quant.py)  | int8 / int4 weights (every batch size) |
 | write_kv               | kv_cache.PagedKVCache.__init__ | key/value stored in the compute dtype  |
 | decode_attention       | kv_cache.PagedKVCache.__init__ | key/value in fp8 or the compute dtype, |
 |                        |                                | head_dim % 16 == 0 and <= 256          |
@@ -45,6 +46,8 @@ from thermostat.kernels.build import (
 
 if TYPE_CHECKING:
     import torch
+
+    from thermostat.models.quant import QuantizedWeight
 
 log = logging.getLogger("thermostat.kernels")
 
@@ -124,15 +127,30 @@ class CpuOps:
     def linear_vnni(
         self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """x [M, K] bf16, 1 <= M <= vnni_max_rows(); packed from `pack_vnni` of W [n, K];
-        bias [n] or None. Returns x W^T + bias [M, n] bf16."""
+        """x [M, K] bf16 (any M >= 1); packed from `pack_vnni` of W [n, K]; bias [n] or None.
+        Returns x W^T + bias [M, n] bf16, each row the same bits whatever M is."""
         y: torch.Tensor = self.module.linear_vnni(x, packed, n, bias)
         return y
 
-    def vnni_max_rows(self) -> int:
-        """Rows `linear_vnni` takes on this machine: 32 with AMX, else 2."""
-        rows: int = self.module.vnni_max_rows()
-        return rows
+    def uses_amx(self) -> bool:
+        """Whether `linear_vnni` runs on AMX tiles on this machine (else bf16 dot products)."""
+        amx: bool = self.module.uses_amx()
+        return amx
+
+    def linear_quant(
+        self,
+        x: torch.Tensor,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x [M, K] (float32, bf16 or fp16, any M >= 1) times an int8 / 4-bit weight packed by
+        thermostat.models.quant; bias [n] or None. Returns [M, n] in x's dtype, each row the
+        same bits whatever M is."""
+        zeros = weight.zeros if weight.zeros is not None else weight.packed[:0]
+        y: torch.Tensor = self.module.linear_quant(
+            x, weight.packed, weight.scales, zeros, weight.out_features, weight.bits, bias
+        )
+        return y
 
 
 _lock = threading.Lock()
@@ -149,7 +167,7 @@ def status() -> str:
     compiled = ops()
     if compiled is None:
         return f"off ({_load()[1]})"
-    return "on (AMX for decode batches)" if compiled.vnni_max_rows() > 2 else "on (no AMX)"
+    return "on (AMX)" if compiled.uses_amx() else "on (no AMX)"
 
 
 @functools.cache

@@ -31,7 +31,7 @@ NAME = "thermostat_cpu_kernels"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 # Instruction sets the source uses (Linux /proc/cpuinfo names).
-REQUIRED_CPU_FLAGS = ("avx2", "f16c", "fma", "avx512f", "avx512bw", "avx512_bf16")
+REQUIRED_CPU_FLAGS = ("avx2", "f16c", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni")
 # /proc/cpuinfo flags that -march=native turns into code (instruction sets), by prefix; the
 # others (bugs, power management, virtualisation) do not change the binary.
 ISA_FLAG_PREFIXES = ("avx", "amx", "sse", "ssse", "fma", "f16c", "bmi", "abm", "popcnt", "movbe")

@@ -10,8 +10,10 @@
 //   write_kv       new tokens' K/V (views of the qkv output) into their cache slots
 //   decode_attention  one query token per sequence against its paged K/V, read in place through
 //                  the block table (no gather), GQA, sliding window, fp8_e4m3 with token scales
-//   linear_vnni    y = x W^T + b for decode batches, W packed once (pack_vnni): 1-2 rows with
-//                  bf16 dot products streaming W once, 3-32 rows with AMX tiles
+//   linear_vnni    y = x W^T + b in bf16, W packed once (pack_vnni): AMX tiles where the CPU has
+//                  them, else bf16 dot products; one arithmetic for any batch (batch invariance)
+//   linear_quant   y = x W^T + b with int8 or 4-bit weights (blocks of 32) and activations
+//                  quantized per block, int8 dot products (AVX512-VNNI); batch invariant too
 //
 // Every function checks its inputs and raises (a Python ValueError/RuntimeError) rather than
 // reading out of bounds. Threads: at::parallel_for, the same OpenMP pool as torch.
@@ -25,6 +27,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -461,15 +464,19 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::
 // 16 x 16 x 2 tile: element [nb][ks][kp][n][j] = W[16 nb + n][32 ks + 2 kp + j], N padded to a
 // multiple of 64 and K to a multiple of 32 with zeros. One 64-byte row of a tile holds a K pair
 // for 16 outputs, which is what both vdpbf16ps (against a broadcast pair of x) and AMX's
-// tdpbf16ps (as its B operand) consume, so one layout serves:
-//   1-2 rows of x   vdpbf16ps, weights streamed once with software prefetch (the decode of one
-//                   or two sequences: memory-bound, at copy bandwidth)
-//   3-32 rows       AMX tiles, when the CPU and the kernel allow them (decode batches)
-// Larger batches (prefill) go to oneDNN, which blocks better for them.
+// tdpbf16ps (as its B operand) consume.
+//
+// Batch invariance: every output element is computed by the same sequence of operations
+// whatever the number of rows M, so a row's result never depends on the rows batched with it
+// (greedy output and logprobs alone equal those in a batch). One arithmetic per machine, for
+// every M (decode batches and prefill alike):
+//   AMX (Intel)   C tiles accumulate the K steps in order, 32-row slabs of x
+//   no AMX        vdpbf16ps into one float32 accumulator per output, K pairs in order; register
+//                 tiles of up to 6 rows x 4 column blocks, the weights streamed once per tile
+//                 with software prefetch (M = 1: four streams in flight, at memory speed)
 
 constexpr int64_t kTile = 512;           // bf16 elements in one 16 x 32 weight tile (1 KiB)
-constexpr int64_t kGemvRows = 2;         // rows of x handled by the vdpbf16ps path
-constexpr int64_t kAmxRows = 32;         // rows of x handled by the AMX path
+constexpr int64_t kAmxRows = 32;         // rows of x in one AMX slab
 
 torch::Tensor pack_vnni(torch::Tensor w) {
   TORCH_CHECK_VALUE(w.dim() == 2 && w.scalar_type() == at::kBFloat16,
@@ -489,40 +496,73 @@ torch::Tensor pad_rows(const torch::Tensor& x, int64_t Mp, int64_t Kp) {
   return out;
 }
 
-template <int M>
-void gemv_vnni_blocks(const uint16_t* x, int64_t Kp, const uint16_t* W, int64_t KS,
-                      const float* bias, uint16_t* y, int64_t N, int64_t nb0, int64_t nb1) {
-  for (int64_t nb = nb0; nb < nb1; ++nb) {
-    const uint16_t* B = W + nb * KS * kTile;
-    __m512 acc[M][2];
-    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-    for (int64_t ks = 0; ks < KS; ++ks) {
-      const uint16_t* tile = B + ks * kTile;
-      for (int kp = 0; kp < 16; ++kp) {
-        const uint16_t* row = tile + kp * 32;
-        // 4 KiB ahead: the next tiles of this block (measured: 10 ms instead of 18 ms for a
-        // SmolLM2-135M's weights on 2 threads; a prefetch never faults, past the end included)
-        _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
-        const __m512bh w = (__m512bh)_mm512_loadu_si512(row);
-        for (int m = 0; m < M; ++m) {
-          int32_t pair;
-          std::memcpy(&pair, x + m * Kp + ks * 32 + 2 * kp, sizeof(pair));
-          acc[m][kp & 1] = _mm512_dpbf16_ps(acc[m][kp & 1], (__m512bh)_mm512_set1_epi32(pair), w);
-        }
-      }
+// 16 floats -> 16 outputs of row y (N columns) at column n0, masked at the end of the row
+template <typename T>
+inline void store_outputs(T* y, int64_t N, int64_t n0, __m512 v) {
+  const int64_t left = N - n0;
+  if (left <= 0) return;
+  alignas(64) T tmp[16];
+  store16(tmp, v);
+  std::memcpy(y + n0, tmp, sizeof(T) * std::min<int64_t>(left, 16));
+}
+
+// Rows [m0, m0 + R) x column blocks [nb, nb + C): one float32 accumulator per output, every K
+// pair in order.
+template <int R, int C>
+inline void bf16_tile(const uint16_t* x, int64_t Kp, const uint16_t* W, int64_t KS,
+                      const float* bias, c10::BFloat16* y, int64_t N, int64_t m0, int64_t nb) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const uint16_t* B[C];
+  for (int c = 0; c < C; ++c) B[c] = W + (nb + c) * KS * kTile;
+  const uint16_t* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * Kp;
+  for (int64_t kp = 0; kp < KS * 16; ++kp) {  // K pairs; tile rows are 64 bytes, consecutive
+    __m512bh w[C];
+    for (int c = 0; c < C; ++c) {
+      const uint16_t* row = B[c] + kp * 32;
+      // 4 KiB ahead: the next tiles of this block (a prefetch never faults, past the end too)
+      _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+      w[c] = (__m512bh)_mm512_loadu_si512(row);
     }
-    for (int m = 0; m < M; ++m) {
-      __m512 v = _mm512_add_ps(acc[m][0], acc[m][1]);
-      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + nb * 16));
-      alignas(64) c10::BFloat16 tmp[16];
-      store16(tmp, v);
-      const int64_t left = N - nb * 16;
-      if (left <= 0) continue;
-      const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-      _mm256_mask_storeu_epi16(y + m * N + nb * 16, mask,
-                               _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp)));
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, xr[r] + 2 * kp, sizeof(pair));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, w[c]);
     }
   }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      __m512 v = acc[r][c];
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + (nb + c) * 16));
+      store_outputs(y + (m0 + r) * N, N, (nb + c) * 16, v);
+    }
+  }
+}
+
+// Every row of x against column blocks [nb, nb + 4): tiles of 6 rows (24 accumulators of the 32
+// registers), then the rest.
+void bf16_rows(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, int64_t KS,
+               const float* bias, c10::BFloat16* y, int64_t N, int64_t nb) {
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) bf16_tile<6, 4>(x, Kp, W, KS, bias, y, N, m, nb);
+  switch (M - m) {
+    case 5: bf16_tile<5, 4>(x, Kp, W, KS, bias, y, N, m, nb); break;
+    case 4: bf16_tile<4, 4>(x, Kp, W, KS, bias, y, N, m, nb); break;
+    case 3: bf16_tile<3, 4>(x, Kp, W, KS, bias, y, N, m, nb); break;
+    case 2: bf16_tile<2, 4>(x, Kp, W, KS, bias, y, N, m, nb); break;
+    case 1: bf16_tile<1, 4>(x, Kp, W, KS, bias, y, N, m, nb); break;
+    default: break;
+  }
+}
+
+void linear_dpbf16(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, int64_t NB,
+                   int64_t KS, const float* bias, c10::BFloat16* y, int64_t N) {
+  at::parallel_for(0, NB / 4, 1, [&](int64_t b, int64_t e) {
+    for (int64_t u = b; u < e; ++u) bf16_rows(x, M, Kp, W, KS, bias, y, N, u * 4);
+  });
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -595,39 +635,38 @@ inline void store_c_tile(int t, float* buf) {
 
 // y rows [m0, m0 + 16) x columns [n0, n0 + 16) from C tile t
 inline void write_c_tile(int t, int64_t M, int64_t m0, int64_t N, int64_t n0, const float* bias,
-                         uint16_t* y) {
+                         c10::BFloat16* y) {
   alignas(64) float buf[16 * 16];
   store_c_tile(t, buf);
-  const int64_t left = N - n0;
-  if (left <= 0) return;
-  const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
   for (int64_t r = 0; r < 16 && m0 + r < M; ++r) {
-    alignas(64) c10::BFloat16 tmp[16];
-    store16(tmp, _mm512_add_ps(_mm512_load_ps(buf + r * 16), b));
-    _mm256_mask_storeu_epi16(y + (m0 + r) * N + n0, mask,
-                             _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp)));
+    store_outputs(y + (m0 + r) * N, N, n0, _mm512_add_ps(_mm512_load_ps(buf + r * 16), b));
   }
 }
 
+// x padded to a multiple of 32 rows; slabs of 32 rows (16 when the slab has no more)
 void linear_amx(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, int64_t NB,
-                int64_t KS, const float* bias, uint16_t* y, int64_t N) {
-  const bool quad = M <= 16;
-  const int64_t units = quad ? NB / 4 : NB / 2;
-  at::parallel_for(0, units, 1, [&](int64_t b, int64_t e) {
+                int64_t KS, const float* bias, c10::BFloat16* y, int64_t N) {
+  const int64_t slabs = (M + kAmxRows - 1) / kAmxRows;
+  at::parallel_for(0, slabs * (NB / 2), 1, [&](int64_t b, int64_t e) {
     TileConfig cfg;
     for (int t = 0; t < 8; ++t) {
       cfg.rows[t] = 16;
       cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
-    for (int64_t u = b; u < e; ++u) {
-      if (quad) {
-        amx_quad(x, Kp, W, KS, u);
-        for (int t = 0; t < 4; ++t) write_c_tile(t, M, 0, N, (4 * u + t) * 16, bias, y);
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t slab = i / (NB / 2), unit = i % (NB / 2);
+      const int64_t m0 = slab * kAmxRows, rows = std::min<int64_t>(kAmxRows, M - m0);
+      const uint16_t* xs = x + m0 * Kp;
+      c10::BFloat16* ys = y + m0 * N;
+      if (rows <= 16) {  // quads cover 4 blocks: odd units do nothing, even ones cover two pairs
+        if (unit % 2) continue;
+        amx_quad(xs, Kp, W, KS, unit / 2);
+        for (int t = 0; t < 4; ++t) write_c_tile(t, rows, 0, N, (2 * unit + t) * 16, bias, ys);
       } else {
-        amx_pair(x, Kp, W, KS, u);
-        for (int t = 0; t < 4; ++t) write_c_tile(t, M, (t / 2) * 16, N, (2 * u + t % 2) * 16, bias, y);
+        amx_pair(xs, Kp, W, KS, unit);
+        for (int t = 0; t < 4; ++t) write_c_tile(t, rows, (t / 2) * 16, N, (2 * unit + t % 2) * 16, bias, ys);
       }
     }
     _tile_release();
@@ -636,19 +675,25 @@ void linear_amx(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, int
 #else
 bool amx_permitted() { return false; }
 void linear_amx(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, const float*,
-                uint16_t*, int64_t) {
+                c10::BFloat16*, int64_t) {
   TORCH_CHECK(false, "linear_vnni: built without AMX");
 }
 #endif
 
-// Rows of x that linear_vnni takes on this machine (the caller sends larger batches to oneDNN).
-int64_t vnni_max_rows() { return amx_permitted() ? kAmxRows : kGemvRows; }
+bool uses_amx() { return amx_permitted(); }
 
-// y [M, N] = x [M, K] W^T (+ bias) with W packed by pack_vnni; 1 <= M <= vnni_max_rows().
+torch::Tensor float_bias(const c10::optional<torch::Tensor>& bias, int64_t N, int64_t Np,
+                         const char* name) {
+  if (!bias.has_value() || !bias->defined()) return torch::Tensor();
+  TORCH_CHECK_VALUE(bias->numel() == N, name, ": bias must be [N]");
+  return pad_rows(bias->to(at::kFloat).contiguous().view({1, N}), 1, Np);
+}
+
+// y [M, N] = x [M, K] W^T (+ bias) with W packed by pack_vnni; any M >= 1, the same bits per row.
 torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, int64_t N,
                           c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kBFloat16,
-                    "linear_vnni: x must be [M, K] bfloat16");
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1,
+                    "linear_vnni: x must be [M, K] bfloat16, M >= 1");
   TORCH_CHECK_VALUE(packed.dim() == 5 && packed.is_contiguous() && packed.size(2) == 16 &&
                         packed.size(3) == 16 && packed.size(4) == 2 &&
                         packed.scalar_type() == at::kBFloat16 && packed.size(0) % 4 == 0,
@@ -657,32 +702,218 @@ torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, int64_t N,
   const int64_t Kp = KS * 32;
   TORCH_CHECK_VALUE(K <= Kp && K > Kp - 32 && N <= NB * 16 && N > NB * 16 - 64,
                     "linear_vnni: x or N does not match the packed weight");
-  TORCH_CHECK_VALUE(M >= 1 && M <= vnni_max_rows(), "linear_vnni: 1 to ", vnni_max_rows(),
-                    " rows on this machine");
-  torch::Tensor bias_f;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK_VALUE(bias->numel() == N, "linear_vnni: bias must be [N]");
-    bias_f = pad_rows(bias->to(at::kFloat).contiguous().view({1, N}), 1, NB * 16);
-    bp = bias_f.data_ptr<float>();
-  }
+  const torch::Tensor bias_f = float_bias(bias, N, NB * 16, "linear_vnni");
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto y = torch::empty({M, N}, x.options());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
+  auto* yp = y.data_ptr<c10::BFloat16>();
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
-  if (M <= kGemvRows) {
-    auto xpad = pad_rows(x.contiguous(), M, Kp);
-    const auto* xp = reinterpret_cast<const uint16_t*>(xpad.data_ptr<c10::BFloat16>());
-    // blocks of 16 columns, split evenly: every thread streams its own part of W
-    at::parallel_for(0, NB, 2, [&](int64_t b, int64_t e) {
-      if (M == 1) gemv_vnni_blocks<1>(xp, Kp, wp, KS, bp, yp, N, b, e);
-      else gemv_vnni_blocks<2>(xp, Kp, wp, KS, bp, yp, N, b, e);
-    });
-  } else {
-    auto xpad = pad_rows(x.contiguous(), M <= 16 ? 16 : 32, Kp);
+  if (amx_permitted()) {
+    auto xpad = pad_rows(x.contiguous(), (M + kAmxRows - 1) / kAmxRows * kAmxRows, Kp);
     linear_amx(reinterpret_cast<const uint16_t*>(xpad.data_ptr<c10::BFloat16>()), M, Kp, wp, NB,
                KS, bp, yp, N);
+  } else {
+    auto xpad = pad_rows(x.contiguous(), M, Kp);
+    linear_dpbf16(reinterpret_cast<const uint16_t*>(xpad.data_ptr<c10::BFloat16>()), M, Kp, wp,
+                  NB, KS, bp, yp, N);
   }
   return y;
+}
+
+// ---------------------------------------------------------------- int8 / int4 linear
+//
+// Weights in blocks of 32 along K, per output: int8 (llama.cpp q8_0's arithmetic: w = d q,
+// q in [-127, 127]) or 4-bit (w = d (q - z), q in [0, 15], z an int8 zero point: GPTQ/AWQ's form,
+// which holds q4_0 too), d float16. Packed (in Python, thermostat/models/quant.py) per 16-column
+// block nb and K block kb:
+//   int8  [nb][kb][kq 8][n 16][4]  bytes q + 128 (unsigned); 512 bytes
+//   int4  [nb][kb][kq 4][n 16][4]  low nibble: K 4 kq + j, high nibble: K 16 + 4 kq + j; 256 bytes
+//   d     [nb][kb][n 16] float16;  z (int4)  [nb][kb][n 16] int8
+// Activations are quantized per row and K block as q8_0 does (s = max|x| / 127, xq = round(x / s)
+// to nearest even), then vpdpbusd sums (unsigned weight byte) x (signed activation byte) four at a
+// time into int32, exactly. Per K block, in K order, for each output (z = 128 for int8's bytes):
+//   y += (d s) float(acc - z sum(xq))
+// The integer part is exact and the float part one fixed sequence per output, so a row's result
+// is the same bits whatever the rows batched with it. Register tiles: up to 4 rows x 2-4 column
+// blocks; every tile streams its weights once.
+
+struct QuantizedActivations {
+  torch::Tensor q;    // [M, Kp] int8
+  torch::Tensor s;    // [M, KB] float: the block's scale
+  torch::Tensor sum;  // [M, KB] int32: sum of the block's q
+};
+
+template <typename T>
+QuantizedActivations quantize_activations(const torch::Tensor& x, int64_t KB) {
+  const int64_t M = x.size(0), K = x.size(1), Kp = KB * 32;
+  QuantizedActivations a{torch::zeros({M, Kp}, at::kChar), torch::empty({M, KB}, at::kFloat),
+                         torch::empty({M, KB}, at::kInt)};
+  const T* xp = x.data_ptr<T>();
+  int8_t* qp = a.q.data_ptr<int8_t>();
+  float* sp = a.s.data_ptr<float>();
+  int32_t* up = a.sum.data_ptr<int32_t>();
+  const int64_t stride = x.stride(0);
+  at::parallel_for(0, M * KB, 64, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t m = i / KB, kb = i % KB, k0 = kb * 32;
+      const T* row = xp + m * stride + k0;
+      __m512 v[2];
+      for (int h = 0; h < 2; ++h) {
+        const int64_t left = K - k0 - 16 * h;
+        if (left >= 16) {
+          v[h] = load16(row + 16 * h);
+        } else {
+          alignas(64) T tmp[16] = {};
+          if (left > 0) std::memcpy(tmp, row + 16 * h, sizeof(T) * left);
+          v[h] = load16(tmp);
+        }
+      }
+      const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+      const float amax = _mm512_reduce_max_ps(
+          _mm512_max_ps(_mm512_and_ps(v[0], absmask), _mm512_and_ps(v[1], absmask)));
+      const float d = amax / 127.0f;
+      const float id = d > 0.0f ? 1.0f / d : 0.0f;
+      int32_t sum = 0;
+      for (int h = 0; h < 2; ++h) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(id)));  // nearest even
+        sum += _mm512_reduce_add_epi32(q);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qp + m * Kp + k0 + 16 * h), _mm512_cvtsepi32_epi8(q));
+      }
+      sp[i] = d;
+      up[i] = sum;
+    }
+  });
+  return a;
+}
+
+template <int BITS, int R, int C, typename T>
+inline void quant_tile(const QuantizedActivations& a, const uint8_t* W, const c10::Half* D,
+                       const int8_t* Z, int64_t KB, const float* bias, T* y, int64_t N,
+                       int64_t m0, int64_t nb) {
+  constexpr int64_t kBlockBytes = BITS == 8 ? 512 : 256;
+  const int64_t Kp = KB * 32;
+  const int8_t* xq = a.q.data_ptr<int8_t>();
+  const float* xs = a.s.data_ptr<float>();
+  const int32_t* xsum = a.sum.data_ptr<int32_t>();
+  __m512 out[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r][c] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    __m512i acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
+    for (int kq = 0; kq < (BITS == 8 ? 8 : 4); ++kq) {
+      __m512i w[C], w_hi[C];
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* p = W + ((nb + c) * KB + kb) * kBlockBytes + kq * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+        const __m512i raw = _mm512_loadu_si512(p);
+        if (BITS == 8) {
+          w[c] = raw;
+        } else {
+          const __m512i low4 = _mm512_set1_epi8(0x0F);
+          w[c] = _mm512_and_si512(raw, low4);
+          w_hi[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xq + (m0 + r) * Kp + kb * 32;
+        int32_t quad;
+        std::memcpy(&quad, xr + kq * 4, sizeof(quad));
+        const __m512i xb = _mm512_set1_epi32(quad);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w[c], xb);
+        if (BITS == 4) {
+          std::memcpy(&quad, xr + 16 + kq * 4, sizeof(quad));
+          const __m512i xh = _mm512_set1_epi32(quad);
+          for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w_hi[c], xh);
+        }
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      const int64_t at = ((nb + c) * KB + kb) * 16;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(D + at)));
+      const __m512i z = BITS == 8 ? _mm512_set1_epi32(128)
+                                  : _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(Z + at)));
+      for (int r = 0; r < R; ++r) {
+        const int64_t j = (m0 + r) * KB + kb;
+        const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(xs[j]));
+        const __m512i fixed = _mm512_sub_epi32(acc[r][c], _mm512_mullo_epi32(z, _mm512_set1_epi32(xsum[j])));
+        out[r][c] = _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(fixed), out[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      __m512 v = out[r][c];
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + (nb + c) * 16));
+      store_outputs(y + (m0 + r) * N, N, (nb + c) * 16, v);
+    }
+  }
+}
+
+template <int BITS, int C, typename T>
+inline void quant_rows(const QuantizedActivations& a, int64_t M, const uint8_t* W,
+                       const c10::Half* D, const int8_t* Z, int64_t KB, const float* bias,
+                       T* y, int64_t N, int64_t nb) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) quant_tile<BITS, 4, C>(a, W, D, Z, KB, bias, y, N, m, nb);
+  switch (M - m) {
+    case 3: quant_tile<BITS, 3, C>(a, W, D, Z, KB, bias, y, N, m, nb); break;
+    case 2: quant_tile<BITS, 2, C>(a, W, D, Z, KB, bias, y, N, m, nb); break;
+    case 1: quant_tile<BITS, 1, C>(a, W, D, Z, KB, bias, y, N, m, nb); break;
+    default: break;
+  }
+}
+
+template <int BITS, typename T>
+void linear_quant_impl(const torch::Tensor& x, const torch::Tensor& packed,
+                       const torch::Tensor& scales, const torch::Tensor& zeros, const float* bias,
+                       torch::Tensor& y, int64_t N) {
+  const int64_t M = x.size(0), NB = packed.size(0), KB = packed.size(1);
+  const QuantizedActivations a = quantize_activations<T>(x, KB);
+  const auto* wp = packed.data_ptr<uint8_t>();
+  const auto* dp = scales.data_ptr<c10::Half>();
+  const auto* zp = BITS == 4 ? zeros.data_ptr<int8_t>() : nullptr;
+  T* yp = y.data_ptr<T>();
+  const int64_t C = M == 1 ? 4 : 2;
+  at::parallel_for(0, NB / C, 1, [&](int64_t b, int64_t e) {
+    for (int64_t u = b; u < e; ++u) {
+      if (C == 4) quant_rows<BITS, 4>(a, M, wp, dp, zp, KB, bias, yp, N, u * 4);
+      else quant_rows<BITS, 2>(a, M, wp, dp, zp, KB, bias, yp, N, u * 2);
+    }
+  });
+}
+
+// y [M, N] = x [M, K] W^T (+ bias), W quantized (bits 8 or 4) and packed as above; x in float32,
+// bfloat16 or float16 (y in x's dtype). Any M >= 1, the same bits per row.
+torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                           torch::Tensor zeros, int64_t N, int64_t bits,
+                           c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK_VALUE(bits == 8 || bits == 4, "linear_quant: bits must be 8 or 4");
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(0) >= 1 && x.stride(1) == 1,
+                    "linear_quant: x must be [M, K] with unit stride, M >= 1");
+  const int64_t block_bytes = bits == 8 ? 512 : 256;
+  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.is_contiguous() &&
+                        packed.scalar_type() == at::kByte && packed.size(2) == block_bytes &&
+                        packed.size(0) % 4 == 0,
+                    "linear_quant: weight must be packed int", bits);
+  const int64_t NB = packed.size(0), KB = packed.size(1), K = x.size(1);
+  TORCH_CHECK_VALUE(K <= KB * 32 && K > KB * 32 - 32 && N <= NB * 16 && N > NB * 16 - 64,
+                    "linear_quant: x or N does not match the packed weight");
+  auto check_scales = [&](const torch::Tensor& t, at::ScalarType type, const char* what) {
+    TORCH_CHECK_VALUE(t.scalar_type() == type && t.is_contiguous() && t.dim() == 3 &&
+                          t.size(0) == NB && t.size(1) == KB && t.size(2) == 16,
+                      "linear_quant: ", what, " must be [", NB, ", ", KB, ", 16] ", type);
+  };
+  check_scales(scales, at::kHalf, "scales");
+  if (bits == 4) check_scales(zeros, at::kChar, "zeros");
+  const torch::Tensor bias_f = float_bias(bias, N, NB * 16, "linear_quant");
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  auto y = torch::empty({x.size(0), N}, x.options());
+  return THERMOSTAT_DISPATCH_FLOAT(x.scalar_type(), "linear_quant", [&] {
+    if (bits == 8) linear_quant_impl<8, scalar_t>(x, packed, scales, zeros, bp, y, N);
+    else linear_quant_impl<4, scalar_t>(x, packed, scales, zeros, bp, y, N);
+    return y;
+  });
 }
 
 }  // namespace
@@ -699,6 +930,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged attention of one query token per sequence",
         nogil);
   m.def("pack_vnni", &pack_vnni, "bf16 weight [N, K] -> the layout linear_vnni reads", nogil);
-  m.def("linear_vnni", &linear_vnni, "x W^T + b for a decode batch of bf16 rows", nogil);
-  m.def("vnni_max_rows", &vnni_max_rows, "rows linear_vnni takes here (32 with AMX, else 2)");
+  m.def("linear_vnni", &linear_vnni, "x W^T + b for bf16 rows, the same bits per row at any M",
+        nogil);
+  m.def("uses_amx", &uses_amx, "whether linear_vnni runs on AMX tiles here");
+  m.def("linear_quant", &linear_quant, "x W^T + b with int8 / 4-bit weights in blocks of 32",
+        nogil);
 }

@@ -71,17 +71,20 @@ class PrefillRun:
                 qs, ks, vs, is_causal=True, scale=scale, enable_gqa=enable_gqa
             )
             return o.transpose(1, 2).flatten(0, 1)
+        # 4-d like the batched call: SDPA then takes the same (flash) kernel, whose rows are the
+        # same bits as a fresh sequence's; 3-d inputs take the math path, which rounds otherwise
+        # (a prefix-cache hit or a later prefill chunk would change a prompt's logprobs).
         mask = self.segment.mask
-        o = F.scaled_dot_product_attention(  # [Hq, q_len, Dv]
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
+        o = F.scaled_dot_product_attention(  # [1, Hq, q_len, Dv]
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
             attn_mask=mask,
             is_causal=mask is None,
             scale=scale,
             enable_gqa=enable_gqa,
         )
-        return o.transpose(0, 1)
+        return o[0].transpose(0, 1)
 
 
 def prefill_runs(

@@ -1,11 +1,13 @@
-"""Linear layers in the weight layouts that are fastest for the dtype and batch on this CPU.
+"""Linear layers in the weight layouts the kernels read, for every batch size.
 
-bfloat16, measured on the SmolLM2-135M shapes: for decode batches the compiled kernels
-(thermostat.kernels.CpuOps: `linear_vnni` over a weight packed once by `pack_vnni`) beat oneDNN:
-1-2 rows stream the weights at copy bandwidth, 3-32 rows use AMX tiles. From about 64 rows
-(prefill) oneDNN with the weight reordered once at load time is faster. So with the kernels a
-bf16 layer keeps both packings (the second costs the layer's size once more). float32 keeps the
-plain layout (MKL is already at the bandwidth bound).
+bfloat16: with the compiled kernels (thermostat.kernels.CpuOps) a layer keeps one packing,
+`pack_vnni`'s, and `linear_vnni` computes every batch, decode and prefill, with one arithmetic:
+a row's result never depends on the rows batched with it (batch invariance; oneDNN, which picks
+its kernel by batch size, gives the same row different bits at 1, 3 or 64 rows). Without the
+kernels, oneDNN with the weight reordered once at load time. float32 keeps the plain layout (MKL).
+
+int8 / int4 (`--quantization`, thermostat.models.quant): QuantLinear over `linear_quant`, and
+QuantEmbedding for the embeddings (the tied LM head's weight too); they need the kernels.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 from thermostat.kernels import CpuOps
+from thermostat.models.quant import QuantizedWeight, quantize
 
 
 def packing_available(dtype: torch.dtype) -> bool:
@@ -22,37 +25,39 @@ def packing_available(dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W in oneDNN's blocked layout, and in the kernels' VNNI layout too when
-    they are there to use it (for batches of up to `vnni_rows` rows)."""
+    """y = x W^T + b with W packed once: in the kernels' VNNI layout when they are there, else
+    in oneDNN's blocked layout."""
 
     def __init__(self, linear: nn.Linear, ops: CpuOps | None) -> None:
         super().__init__()
         weight = linear.weight.detach()
-        self.out_features = weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # hint: decode shape
+        self.out_features, self.in_features = weight.shape
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
         # The one choice of this op (the table in thermostat.kernels).
         self.ops = ops
-        self.vnni = None if ops is None else ops.pack_vnni(weight)
-        self.vnni_rows = 0 if ops is None else ops.vnni_max_rows()
-        self._linear = self._onednn if ops is None else self._vnni_or_onednn
+        if ops is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # hint: decode
+        else:
+            self.packed = ops.pack_vnni(weight)
+
+    def float_weight(self) -> torch.Tensor:
+        """W [N, K] bf16 back out of the VNNI packing (the layer keeps no plain copy)."""
+        if self.ops is None:
+            raise ValueError("the weight is in oneDNN's layout (no CPU kernels)")
+        nb, ks = self.packed.shape[:2]
+        full = self.packed.permute(0, 3, 1, 2, 4).reshape(nb * 16, ks * 32)
+        weight: torch.Tensor = full[: self.out_features, : self.in_features].clone()
+        return weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        y = self._linear(flat)
+        if self.ops is None:
+            y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                flat, self.packed, self.bias, "none", [], ""
+            )
+        else:
+            y = self.ops.linear_vnni(flat, self.packed, self.out_features, self.bias)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
-
-    def _onednn(self, flat: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-            flat, self.packed, self.bias, "none", [], ""
-        )
-        return y
-
-    def _vnni_or_onednn(self, flat: torch.Tensor) -> torch.Tensor:
-        if flat.shape[0] > self.vnni_rows:
-            return self._onednn(flat)
-        assert self.ops is not None and self.vnni is not None  # __init__: this path only with ops
-        return self.ops.linear_vnni(flat, self.vnni, self.out_features, self.bias)
 
 
 def pack_linears(module: nn.Module, ops: CpuOps | None = None) -> int:
@@ -65,4 +70,57 @@ def pack_linears(module: nn.Module, ops: CpuOps | None = None) -> int:
             count += 1
         else:
             count += pack_linears(child, ops)
+    return count
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T + b with W in int8 or int4 (thermostat.models.quant), through the kernels'
+    `linear_quant` for every batch size (one arithmetic: batch invariant)."""
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, ops: CpuOps) -> None:
+        super().__init__()
+        self.weight = weight
+        self.out_features = weight.out_features
+        self.bias = bias
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        y = self.ops.linear_quant(flat.contiguous(), self.weight, self.bias)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+
+class QuantEmbedding(nn.Module):
+    """Embedding rows read out of a QuantizedWeight [vocab, hidden] (the one a tied LM head
+    multiplies by), dequantized to `dtype` as they are gathered."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = weight
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight.rows(ids, self.dtype)
+
+
+def weight_of(module: nn.Module) -> torch.Tensor:
+    """The float weight [N, K] of an nn.Linear or a PackedLinear (which keeps it packed only)."""
+    if isinstance(module, PackedLinear):
+        return module.float_weight()
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight.detach()
+
+
+def quantize_linears(module: nn.Module, fmt: str, ops: CpuOps, skip: tuple[type, ...]) -> int:
+    """Replace every nn.Linear / PackedLinear under `module` (not inside a `skip` module, e.g.
+    the float32 router) by a QuantLinear in `fmt`. Returns how many."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, (nn.Linear, PackedLinear)):
+            bias = child.bias.detach().clone() if child.bias is not None else None
+            setattr(module, name, QuantLinear(quantize(weight_of(child), fmt), bias, ops))
+            count += 1
+        elif not isinstance(child, skip):
+            count += quantize_linears(child, fmt, ops, skip)
     return count

@@ -41,6 +41,8 @@ from torch import nn
 
 from thermostat.kernels import CpuOps
 from thermostat.models.layers import Float32Module, gated_activation
+from thermostat.models.linear import QuantLinear
+from thermostat.models.quant import quantize
 from thermostat.models.weights import Index
 
 
@@ -123,20 +125,42 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, hidden_size))
         self.down_proj = nn.Parameter(torch.zeros(e, hidden_size, i))
         self._act = gated_activation(i, moe.swiglu_limit, ops)
+        self.ops = ops
+        # per expert (gate_up, down) in int8 / int4 once `quantize` ran; None: the float params
+        self.quantized: list[tuple[QuantLinear, QuantLinear]] | None = None
+
+    def quantize(self, fmt: str, ops: CpuOps) -> None:
+        """Every expert's two projections in `fmt`; the float parameters are dropped."""
+        self.quantized = [
+            (
+                QuantLinear(quantize(self.gate_up_proj[e].detach(), fmt), None, ops),
+                QuantLinear(quantize(self.down_proj[e].detach(), fmt), None, ops),
+            )
+            for e in range(self.gate_up_proj.shape[0])
+        ]
+        self.num_experts = self.gate_up_proj.shape[0]
+        del self.gate_up_proj, self.down_proj
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            gate_up, down = self.quantized[e]
+            y: torch.Tensor = down(self._act(gate_up(x)))
+            return y
+        return F.linear(self._act(F.linear(x, self.gate_up_proj[e])), self.down_proj[e])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights, ids [T, top_k] -> sum over k of weight * expert(x) [T, H]."""
         flat = ids.flatten()
         order = flat.argsort(stable=True)  # pairs grouped by expert, tokens in order
         rows = order // ids.shape[1]
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        experts = self.num_experts if self.quantized else self.gate_up_proj.shape[0]
+        counts = torch.bincount(flat, minlength=experts).tolist()
         xs = x.index_select(0, rows)
         ys = torch.empty_like(xs)
         start = 0
         for e, n in enumerate(counts):
             if n:
-                h = self._act(F.linear(xs[start : start + n], self.gate_up_proj[e]))
-                ys[start : start + n] = F.linear(h, self.down_proj[e])
+                ys[start : start + n] = self._expert(e, xs[start : start + n])
             start += n
         out = torch.zeros(x.shape, dtype=torch.float32)
         out.index_add_(0, rows, ys.float() * weights.flatten()[order, None])

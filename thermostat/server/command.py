@@ -19,6 +19,7 @@ from thermostat.api.config import edge_options
 from thermostat.api.lifecycle import DrainingServer, serve_until_stopped
 from thermostat.api.tool_parsers import PARSERS
 from thermostat.engine.config import EngineConfig
+from thermostat.models.weight_format import QUANTIZATIONS
 from thermostat.server.config import ServerConfig
 
 HELP = "serve a model over the OpenAI API"
@@ -49,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3"],
+    )
+    e.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        help="serve the weights in int8 (blocks of 32, q8_0's arithmetic) or int4 (4-bit, "
+        "blocks of 32), quantized at load (default: as the checkpoint stores them)",
     )
     e.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS.max_num_seqs)
     e.add_argument(
@@ -104,6 +111,7 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         model=args.model,
         dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from thermostat.api.metrics import Metrics
 from thermostat.api.tool_parsers import ToolParser, marker_tokens, parser_for
 from thermostat.disagg.handoff import model_identity
 from thermostat.engine.llm_engine import LLMEngine
-from thermostat.engine.loader import load_model
+from thermostat.engine.loader import load_configured
 from thermostat.server.async_engine import AsyncEngine
 from thermostat.server.config import ServerConfig
 from thermostat.server.disaggregation import DecodeRole, PrefillRole
@@ -48,6 +49,7 @@ class ServerState(Lifecycle):
         self.kv_bytes: dict[str, float | int | None] = dict.fromkeys(
             ("kv_bytes_per_token", "kv_fixed_bytes_per_sequence")
         )
+        self.weights: dict[str, str | int | None] = dict.fromkeys(("weight_format", "weight_bytes"))
         self.serving: Serving
         self.prompts: PromptBuilder
         self.tokens: TokenText
@@ -71,7 +73,7 @@ class ServerState(Lifecycle):
         log.info("loading %s", model_dir)
 
         def build() -> LLMEngine:  # runs on the engine thread (see AsyncEngine)
-            loaded = load_model(model_dir, cfg.dtype, cfg.max_model_len, cfg.cpu_kernels)
+            loaded = load_configured(replace(cfg, model=str(model_dir)))
             return LLMEngine(cfg, defaults, loaded)
 
         async_engine = AsyncEngine(build)
@@ -84,6 +86,10 @@ class ServerState(Lifecycle):
         self.prompts = PromptBuilder(engine.tokenizer, engine.max_model_len)
         self.tokens = TokenText(engine.tokenizer)
         self.max_model_len = engine.max_model_len
+        self.weights = {
+            "weight_format": engine.loaded.weight_format,
+            "weight_bytes": engine.loaded.weight_bytes,
+        }
         self.kv_bytes = {
             "kv_bytes_per_token": engine.kv_bytes_per_token,
             "kv_fixed_bytes_per_sequence": engine.kv_fixed_bytes_per_sequence,
@@ -117,7 +123,9 @@ class ServerState(Lifecycle):
         if mode is None:
             return None
         loaded = engine.loaded
-        model = model_identity(self.model_dir, loaded.arch.architecture, str(loaded.dtype))
+        model = model_identity(
+            self.model_dir, loaded.arch.architecture, str(loaded.dtype), loaded.weight_format
+        )
         kv_cache = engine.cache.spec.describe()
         timeout = self.config.disaggregation_timeout_s
         if mode == "prefill":

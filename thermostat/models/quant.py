@@ -1,0 +1,236 @@
+"""Integer weight formats: int8 and 4-bit in blocks of 32 along K, per output row.
+
+| format | per block of 32 weights of one output              | bytes / weight | like           |
+|--------|----------------------------------------------------|----------------|----------------|
+| int8   | q in [-127, 127], d float16: w = d q               | 34 / 32 = 1.06 | llama.cpp q8_0 |
+| int4   | q in [0, 15], d float16, z int8: w = d (q - z)     | 19 / 32 = 0.59 | GPTQ / AWQ     |
+
+int4's integer zero point holds symmetric 4-bit (q4_0: z = 8), GPTQ and AWQ groups (a group of
+128 is four blocks with the same d and z) exactly. Quantizing a weight that already lies on such a
+grid (dequantized from one of those checkpoints) finds the grid and gives its integers back
+(`grid_step`); a float weight gets d = max|w| / 127 (int8), or its range in 15 steps (int4).
+
+Everything here is pure tensor math: `quantize_*` turn a float weight into (q, d[, z]),
+`QuantizedWeight.pack` lays them out for the kernel (thermostat.kernels `linear_quant`, whose
+comment gives the layout), `dequantize` and `reference_linear` are the float reference the kernel
+is tested against: activations quantized per row and block as q8_0 does (s = max|x| / 127,
+xq = x / s rounded to nearest even), integer dot products per block, then the block's scales.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+BLOCK = 32  # weights per scale, along K
+Bits = Literal[8, 4]
+FORMATS: dict[str, Bits] = {"int8": 8, "int4": 4}
+
+
+def grid_step(blocks: torch.Tensor, affine: bool) -> torch.Tensor:
+    """The step of an integer grid through 0 that each block [B, 32] of float32 values already
+    lies on, 0 where none fits the format: every value step * j for integers j with |j| <= 127
+    (int8) or with max j - min j <= 15 (int4). A weight dequantized from q8_0, q4_0, GPTQ or
+    AWQ lies on its checkpoint's grid; a float weight almost never does."""
+    ordered = blocks.sort(dim=-1).values
+    gaps = ordered.diff(dim=-1)
+    candidates = torch.cat(  # the step divides every gap and every value
+        [
+            torch.where(gaps > 0, gaps, torch.inf),
+            torch.where(ordered != 0, ordered.abs(), torch.inf),
+        ],
+        dim=-1,
+    )
+    step = candidates.amin(dim=-1)
+    finite = torch.isfinite(step)
+    ratio = blocks / torch.where(finite, step, torch.ones_like(step))[:, None]
+    on_grid = (ratio - ratio.round()).abs().amax(dim=-1) <= 1e-3
+    j = ratio.round()
+    if affine:
+        fits = (j.amax(dim=-1) - j.amin(dim=-1) <= 15) & (j.amin(dim=-1).abs() <= 127)
+    else:
+        fits = j.abs().amax(dim=-1) <= 127
+    return torch.where(finite & on_grid & fits, step, torch.zeros_like(step))
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] (K % 32 == 0) -> (q [N, K] int8 in [-127, 127], d [N, K / 32] float16):
+    d = max|w| / 127 of each block (q8_0), or the block's own grid step where it has one
+    (`grid_step`); rounded to float16 first, then q = round(w / d)."""
+    blocks = weight.float().reshape(weight.shape[0], -1, BLOCK)
+    step = grid_step(blocks.reshape(-1, BLOCK), affine=False).view(blocks.shape[:2])
+    d = torch.where(step > 0, step, blocks.abs().amax(dim=-1) / 127).half()
+    inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+    q = torch.round(blocks * inv[..., None]).clamp(-127, 127)
+    return q.reshape(weight.shape).to(torch.int8), d
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] (K % 32 == 0) -> (q [N, K] uint8 in [0, 15], d [N, K / 32] float16,
+    z [N, K / 32] int8): the block's own grid where it has one (`grid_step`), else its range
+    [min, max] in 15 steps with z = round(-min / d) (a block far from 0, which no int8 zero
+    point reaches, takes the symmetric d = max|w| / 7, z = 8)."""
+    blocks = weight.float().reshape(weight.shape[0], -1, BLOCK)
+    lo, hi = blocks.amin(dim=-1), blocks.amax(dim=-1)
+    step = grid_step(blocks.reshape(-1, BLOCK), affine=True).view(blocks.shape[:2])
+    on_grid = step > 0
+    span = torch.where(on_grid, step, (hi - lo) / 15).half().float()
+    safe = torch.where(span > 0, span, torch.ones_like(span))
+    z = torch.where(on_grid, -(lo / safe).round(), (-lo / safe).round())
+    far = (z < -128) | (z > 127)
+    symmetric = (torch.maximum(lo.abs(), hi.abs()) / 7).half().float()
+    span = torch.where(far, symmetric, span)
+    z = torch.where(far, torch.full_like(z, 8), z)
+    inv = torch.where(span > 0, 1 / span, torch.zeros_like(span))
+    q = (torch.round(blocks * inv[..., None]) + z[..., None]).clamp(0, 15)
+    return q.reshape(weight.shape).to(torch.uint8), span.half(), z.to(torch.int8)
+
+
+@dataclass
+class QuantizedWeight:
+    """One linear layer's weight [out_features, in_features] in int8 or int4, packed for the
+    kernel (N padded to a multiple of 64 with zero rows, K to a multiple of 32 with zeros)."""
+
+    bits: Bits
+    out_features: int
+    in_features: int
+    packed: torch.Tensor  # uint8 [N/16, K/32, 512 (int8) | 256 (int4)]
+    scales: torch.Tensor  # float16 [N/16, K/32, 16]: d
+    zeros: torch.Tensor | None  # int8 [N/16, K/32, 16]: z (int4), None (int8: z = 0)
+
+    @classmethod
+    def pack(
+        cls, q: torch.Tensor, d: torch.Tensor, z: torch.Tensor | None = None
+    ) -> QuantizedWeight:
+        """q [N, K] (int8 in [-127, 127] with z None; uint8 in [0, 15] with z), d [N, ceil(K /
+        32)] float16, z the same shape int8 -> the kernel's layout."""
+        bits: Bits = 8 if z is None else 4
+        n, k = q.shape
+        kb = (k + BLOCK - 1) // BLOCK
+        if d.shape != (n, kb) or (z is not None and z.shape != (n, kb)):
+            raise ValueError(f"scales must be [{n}, {kb}] for a [{n}, {k}] weight")
+        nb = (n + 63) // 64 * 4
+        full = torch.zeros(nb * 16, kb * BLOCK, dtype=torch.uint8)
+        if bits == 8:
+            full[:n, :k] = (q.to(torch.int16) + 128).to(torch.uint8)
+            full[n:] = 128  # padded rows: q = 0
+            full[:, k:] = 128
+            tiles = full.view(nb, 16, kb, 8, 4).permute(0, 2, 3, 1, 4)
+        else:
+            full[:n, :k] = q
+            nibbles = full.view(nb, 16, kb, 2, 4, 4)  # [.., half of the block, kq, j]
+            joined = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)
+            tiles = joined.permute(0, 2, 3, 1, 4)
+        return cls(
+            bits=bits,
+            out_features=n,
+            in_features=k,
+            packed=tiles.reshape(nb, kb, -1).contiguous(),
+            scales=_block_major(d, nb),
+            zeros=None if z is None else _block_major(z, nb),
+        )
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The inverse of `pack`: (q, d, z) with q [N, K / 32 * 32] (K's padding kept)."""
+        nb, kb, _ = self.packed.shape
+        n = self.out_features
+        if self.bits == 8:
+            q = self.packed.view(nb, kb, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(nb * 16, -1)
+            q = (q.to(torch.int16) - 128).to(torch.int8)
+        else:
+            b = self.packed.view(nb, kb, 4, 16, 4)
+            both = torch.stack([b & 15, b >> 4], dim=2)  # [nb, kb, half, kq, n, j]
+            q = both.permute(0, 4, 1, 2, 3, 5).reshape(nb * 16, -1)
+        zeros = None if self.zeros is None else _row_major(self.zeros, n)
+        return q[:n], _row_major(self.scales, n), zeros
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [N, K] as the kernel's arithmetic sees it."""
+        q, d, z = self.unpack()
+        blocks = q.float().view(q.shape[0], -1, BLOCK)
+        if z is not None:
+            blocks = blocks - z.float()[..., None]
+        blocks = blocks * d.float()[..., None]
+        return blocks.reshape(q.shape[0], -1)[:, : self.in_features].to(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` (any shape) of the weight, dequantized: [*ids.shape, K] in `dtype` (an
+        embedding lookup)."""
+        nb, kb, _ = self.packed.shape
+        flat = ids.reshape(-1)
+        blk, n = flat // 16, flat % 16
+        d = self.scales[blk, :, n].float()[..., None]  # [T, KB, 1]
+        if self.bits == 8:
+            tiles = self.packed.view(nb, kb, 8, 16, 4)
+            q = tiles[blk, :, :, n].reshape(len(flat), kb, BLOCK).to(torch.int16) - 128
+            w = q.float() * d
+        else:
+            tiles = self.packed.view(nb, kb, 4, 16, 4)
+            b = tiles[blk, :, :, n]  # [T, KB, kq, j]
+            q = torch.cat([b & 15, b >> 4], dim=2).reshape(len(flat), kb, BLOCK)
+            assert self.zeros is not None
+            w = (q.float() - self.zeros[blk, :, n].float()[..., None]) * d
+        out = w.reshape(len(flat), -1)[:, : self.in_features].to(dtype)
+        return out.reshape(*ids.shape, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (the padding included)."""
+        extra = 0 if self.zeros is None else self.zeros.nbytes
+        return self.packed.nbytes + self.scales.nbytes + extra
+
+
+def _block_major(t: torch.Tensor, nb: int) -> torch.Tensor:
+    """[N, KB] -> [nb, KB, 16] (rows padded with zeros)."""
+    full = torch.zeros(nb * 16, t.shape[1], dtype=t.dtype)
+    full[: t.shape[0]] = t
+    return full.view(nb, 16, -1).permute(0, 2, 1).contiguous()
+
+
+def _row_major(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t.permute(0, 2, 1).reshape(-1, t.shape[1])[:n]
+
+
+def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
+    """A float weight [N, K] in `fmt` ('int8' or 'int4'); K is padded with zeros to whole blocks."""
+    n, k = weight.shape
+    padded = torch.zeros(n, (k + BLOCK - 1) // BLOCK * BLOCK, dtype=torch.float32)
+    padded[:, :k] = weight.float()
+    if FORMATS[fmt] == 8:
+        q8, d = quantize_int8(padded)
+        packed = QuantizedWeight.pack(q8[:, :k], d)
+    else:
+        q4, d, z = quantize_int4(padded)
+        packed = QuantizedWeight.pack(q4[:, :k], d, z)
+    return packed
+
+
+def quantize_activations(x: torch.Tensor, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq [M, blocks, 32] float holding integers in [-127, 127], s [M, blocks])
+    as the kernel computes them (K padded with zeros)."""
+    padded = torch.zeros(x.shape[0], blocks * BLOCK, dtype=torch.float32)
+    padded[:, : x.shape[1]] = x.float()
+    v = padded.view(x.shape[0], blocks, BLOCK)
+    s = v.abs().amax(dim=-1) / 127
+    inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
+    return torch.round(v * inv[..., None]), s
+
+
+def reference_linear(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The kernel's arithmetic in PyTorch (float32; the kernel's fused multiply-adds round
+    differently in the last bits): [M, K] -> [M, N] in x's dtype."""
+    q, d, z = weight.unpack()
+    kb = d.shape[1]
+    xq, s = quantize_activations(x, kb)
+    wq = q.float().view(q.shape[0], kb, BLOCK)
+    acc = torch.einsum("mbk,nbk->mnb", xq, wq)  # integers below 2^24: exact
+    if z is not None:
+        acc = acc - z.float()[None] * xq.sum(dim=-1)[:, None, :]  # still exact integers
+    y = (acc * (d.float()[None] * s[:, None, :])).sum(dim=-1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

@@ -1,0 +1,77 @@
+"""The format a model's weights are served in, and turning a loaded model into it.
+
+| format       | linear layers, MoE experts   | embeddings and LM head    | needs          |
+|--------------|------------------------------|---------------------------|----------------|
+| (the dtype)  | bf16 / fp16 / fp32           | the dtype                 |                |
+| int8         | int8, blocks of 32 (q8_0)    | int8                      | the CPU kernels |
+| int4         | 4-bit, blocks of 32 (q4_1)   | int8 (measured: the LM    | the CPU kernels |
+|              |                              | head in 4-bit costs top-1 |                |
+|              |                              | agreement, little speed)  |                |
+
+Norms, rotary tables, biases, MoE routers and other float32 parts stay as they are.
+`quantize_model` runs once after the float weights are loaded (`load_model(quantization=...)`);
+`weight_bytes` is what the startup report and /server_info give.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from thermostat.kernels import CpuOps
+from thermostat.models.layers import Float32Module
+from thermostat.models.linear import PackedLinear, QuantEmbedding, QuantLinear, quantize_linears
+from thermostat.models.moe import Experts
+from thermostat.models.quant import FORMATS, quantize
+
+QUANTIZATIONS = tuple(FORMATS)  # what `--quantization` takes
+
+
+def check_quantization(name: str | None) -> None:
+    if name is not None and name not in FORMATS:
+        raise ValueError(f"quantization must be one of {', '.join(FORMATS)}, got {name!r}")
+
+
+def quantize_model(model: nn.Module, fmt: str, ops: CpuOps | None) -> None:
+    """Every linear layer and MoE expert of `model` in `fmt`, the embeddings and LM head in
+    int8 (one copy when tied). ValueError without the CPU kernels (nothing else computes it)."""
+    check_quantization(fmt)
+    if ops is None:
+        raise ValueError(
+            f"quantization {fmt} needs Thermostat's CPU kernels (AVX-512 VNNI), which are off"
+        )
+    embed = getattr(model, "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    arch = getattr(model, "arch", None)
+    tied = isinstance(embed, nn.Embedding) and bool(getattr(arch, "tie_word_embeddings", False))
+    if isinstance(embed, nn.Embedding):
+        table = quantize(embed.weight.detach(), "int8")
+        model.embed_tokens = QuantEmbedding(table, embed.weight.dtype)
+        if tied:
+            model.lm_head = QuantLinear(table, None, ops)
+    if head is not None and not tied:
+        bias = head.bias.detach().clone() if head.bias is not None else None
+        weight = head.float_weight() if isinstance(head, PackedLinear) else head.weight.detach()
+        model.lm_head = QuantLinear(quantize(weight, "int8"), bias, ops)
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.quantize(fmt, ops)
+    quantize_linears(model, fmt, ops, skip=(Float32Module, QuantLinear))
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the weights take as served: parameters, packed layers, quantized ones (each tensor
+    once, however many modules share it)."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        tensors: list[torch.Tensor] = list(module.parameters(recurse=False))
+        if isinstance(module, PackedLinear):
+            tensors.append(module.packed)
+        if isinstance(module, (QuantLinear, QuantEmbedding)):
+            w = module.weight
+            tensors += [w.packed, w.scales] + ([] if w.zeros is None else [w.zeros])
+        if isinstance(module, (PackedLinear, QuantLinear)) and module.bias is not None:
+            tensors.append(module.bias)
+        for t in tensors:
+            seen[t.data_ptr()] = t.nbytes
+    return sum(seen.values())
