@@ -283,6 +283,9 @@ def test_diagnose_names_greedy_decoding_on_v4(tmp_path, capsys):
     """The case on its own architecture: greedy decoding loops, sampling does not, and the fp8
     cache changes nothing; `diagnose` says so."""
     path = write_model(tmp_path / "v4", "deepseek_v4", initializer_range=0.02)
-    code = main(["diagnose", "--model", str(path), "--max-tokens", "48", "--dtype", "float32"])
+    code = main(
+        ["diagnose", "--model", str(path), "--max-tokens", "48", "--dtype", "float32",
+         "--weights", "checkpoint"]
+    )  # fmt: skip
     out = " ".join(capsys.readouterr().out.split())
     assert code == 1 and "cause: greedy decoding" in out

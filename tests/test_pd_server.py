@@ -160,8 +160,9 @@ def test_streaming_decode_equals_single(pair, single):
     assert d.text.rstrip().endswith("data: [DONE]")
 
 
-def test_fp8_pair_equals_fp8_single(model_dir):
-    fp8_pair_equals_fp8_single(model_dir)
+def test_int8_fp8_pair_equals_int8_fp8_single(model_dir):
+    """int8 weights and an fp8 cache on both halves (the quantized deployment) hand off exactly."""
+    fp8_pair_equals_fp8_single(model_dir, quantization="int8")
 
 
 def test_deepseek_v4_fp8_pair_equals_fp8_single(tmp_path):
@@ -170,8 +171,8 @@ def test_deepseek_v4_fp8_pair_equals_fp8_single(tmp_path):
     fp8_pair_equals_fp8_single(write_model(tmp_path / "v4", "deepseek_v4"))
 
 
-def fp8_pair_equals_fp8_single(model_dir: Path) -> None:
-    options = {"kv_cache_dtype": "fp8_e4m3"}
+def fp8_pair_equals_fp8_single(model_dir: Path, **extra: Any) -> None:
+    options = {"kv_cache_dtype": "fp8_e4m3", **extra}
     with (
         running_server(model_dir, **options) as single,
         running_server(
@@ -186,6 +187,8 @@ def fp8_pair_equals_fp8_single(model_dir: Path) -> None:
         assert got.json()["sampling"]["disaggregation"]["kv_cache"]["components"][0]["dtype"] == (
             "torch.float8_e4m3fn"
         )
+        info = httpx.get(f"{d.url}/server_info", timeout=10).json()
+        assert info["weight_format"] == extra.get("quantization", "bfloat16")
 
 
 def test_halves_with_other_sampling_defaults_are_refused(model_dir, pair):
@@ -212,6 +215,17 @@ def test_halves_with_other_kv_dtype_are_refused(model_dir, pair):
     ) as other:
         _, d = pd_post(other, decode, "/v1/completions", {"prompt": PROMPT} | GREEDY)
     assert d.status_code == 409 and "KV cache" in d.json()["error"]["message"]
+
+
+def test_halves_with_other_weight_formats_are_refused(model_dir, pair):
+    _, decode = pair
+    with running_server(
+        model_dir, disaggregation_mode="prefill", bootstrap_port=0, quantization="int8"
+    ) as other:
+        _, d = pd_post(other, decode, "/v1/completions", {"prompt": PROMPT} | GREEDY)
+    assert d.status_code == 409
+    message = d.json()["error"]["message"]
+    assert "'weight_format': 'int8'" in message and "'weight_format': 'bfloat16'" in message
 
 
 def test_a_room_that_never_comes_times_out(model_dir, pair):

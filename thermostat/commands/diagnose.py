@@ -7,6 +7,7 @@ The same prompts run across factors; each cell's degeneration rate is measured w
 |---------------|------------------------------------------------------------------------|
 | decoding      | greedy (temperature 0), the resolved defaults, the family recommendation |
 | KV cache      | fp8_e4m3, full precision (local model only)                            |
+| weights       | as the checkpoint stores them, int8, int4 (`--weights`; local only)    |
 """
 
 from __future__ import annotations
@@ -23,10 +24,14 @@ from rich.table import Table
 from thermostat.quality import analyze
 from thermostat.sampling.params import SamplingParams
 
-HELP = "find what makes a model degenerate: greedy decoding, KV cache quantization, or neither"
+HELP = (
+    "find what makes a model degenerate: greedy decoding, KV cache quantization, weight "
+    "quantization, or none of them"
+)
 EPILOG = """examples:
   thermostat diagnose --model demo
   thermostat diagnose --model ./my-model --prompts prompts.txt --max-tokens 300
+  thermostat diagnose --model ./my-model --weights checkpoint,int8,int4
   thermostat diagnose --url http://127.0.0.1:8000 --model NAME     # decoding factor only
 
 exit status: 0 no degeneration found, 1 degeneration found (the cause is named), 2 bad usage.
@@ -49,6 +54,7 @@ EFFECT = 0.25  # a factor explains degeneration when switching it moves the rate
 class Cell:
     decoding: str  # "greedy" | "defaults" | "recommended"
     kv_cache: str  # "fp8_e4m3" | "full" | "remote"
+    weights: str  # "checkpoint" | "int8" | "int4" | "remote"
     generations: int
     degenerate: int
     example: str  # a reason from a degenerate generation, if any
@@ -85,28 +91,37 @@ def conclude(cells: list[Cell]) -> tuple[str, str]:
     greedy = rate(lambda c: c.decoding == "greedy")
     sampled = rate(lambda c: c.decoding != "greedy")
     fp8, full = rate(lambda c: c.kv_cache == "fp8_e4m3"), rate(lambda c: c.kv_cache == "full")
+    stored = rate(lambda c: c.weights == "checkpoint")
+    quantized = {w: rate(lambda c, w=w: c.weights == w) for w in ("int8", "int4")}
+    quantized = {w: r for w, r in quantized.items() if any(c.weights == w for c in cells)}
     causes = []
     if greedy - sampled >= EFFECT:
         causes.append("greedy decoding")
     if any(c.kv_cache == "full" for c in cells) and fp8 - full >= EFFECT:
         causes.append("KV cache quantization")
+    if any(r - stored >= EFFECT for r in quantized.values()):
+        causes.append("weight quantization")
     summary = f"degeneration rate: greedy {greedy:.0%} vs sampled {sampled:.0%}" + (
         f"; fp8 KV {fp8:.0%} vs full {full:.0%}" if any(c.kv_cache == "full" for c in cells) else ""
     )
+    summary += "".join(f"; {w} weights {r:.0%}" for w, r in quantized.items())
+    if quantized:
+        summary += f" vs checkpoint {stored:.0%}"
     if causes:
         return " and ".join(causes), summary
     if max(greedy, sampled) >= EFFECT:
         return (
             "neither",
-            summary + ": degeneration does not follow either factor (look at the model or prompts)",
+            summary + ": degeneration follows none of the factors (look at the model or prompts)",
         )
     return "neither", summary + ": no degeneration found"
 
 
-def local_generator(model: str, kv_cache: str, max_tokens: int, options: dict):
+def local_generator(model: str, kv_cache: str, weights: str, max_tokens: int, options: dict):
     from thermostat import LLM
 
-    llm = LLM(model, kv_cache_dtype=kv_cache, **options)
+    quantization = None if weights == "checkpoint" else weights
+    llm = LLM(model, kv_cache_dtype=kv_cache, quantization=quantization, **options)
 
     def generate(prompts: list[str], fields: dict) -> list[str]:
         params = SamplingParams(max_tokens=max_tokens, **fields)
@@ -134,6 +149,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--weights",
+        default="checkpoint,int8",
+        help="weight formats to compare, comma-separated: checkpoint (as stored), int8, int4",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -149,6 +169,11 @@ def run(args: argparse.Namespace) -> int:
         if not prompts:
             console.print(f"[red]error:[/] {args.prompts} has no prompts")
             return 2
+    weights = [w.strip() for w in args.weights.split(",") if w.strip()]
+    unknown = sorted(set(weights) - {"checkpoint", "int8", "int4"})
+    if unknown or not weights:
+        console.print(f"[red]error:[/] --weights takes checkpoint, int8, int4; got {args.weights}")
+        return 2
     cells: list[Cell] = []
     try:
         if args.url:
@@ -158,26 +183,30 @@ def run(args: argparse.Namespace) -> int:
                 args.api_key,
                 args.max_tokens,
             )
-            setups: list[tuple[str, Callable, dict | None]] = [("remote", generate, None)]
+            setups: list[tuple[str, str, Callable, dict | None]] = [
+                ("remote", "remote", generate, None)
+            ]
         else:
             from thermostat.sampling.recommendations import recommendation_for
 
             setups = []
-            for kv in ("full", "fp8_e4m3"):
-                console.log(f"loading {args.model} with {kv} KV cache")
-                llm, generate = local_generator(
-                    args.model,
-                    "auto" if kv == "full" else kv,
-                    args.max_tokens,
-                    {"dtype": args.dtype},
-                )
-                rec = recommendation_for(llm.engine.loaded.config_dict)
-                setups.append((kv, generate, rec.values if rec else None))
-        for kv, generate, recommended in setups:
+            for w in weights:
+                for kv in ("full", "fp8_e4m3"):
+                    console.log(f"loading {args.model} with {w} weights, {kv} KV cache")
+                    llm, generate = local_generator(
+                        args.model,
+                        "auto" if kv == "full" else kv,
+                        w,
+                        args.max_tokens,
+                        {"dtype": args.dtype},
+                    )
+                    rec = recommendation_for(llm.engine.loaded.config_dict)
+                    setups.append((kv, w, generate, rec.values if rec else None))
+        for kv, w, generate, recommended in setups:
             for level, fields in decoding_levels(recommended, args.seed).items():
-                console.log(f"{level} decoding, {kv} KV cache: {len(prompts)} prompts")
+                console.log(f"{level} decoding, {kv} KV cache, {w} weights: {len(prompts)} prompts")
                 bad, example = measure(generate, prompts, fields)
-                cells.append(Cell(level, kv, len(prompts), bad, example))
+                cells.append(Cell(level, kv, w, len(prompts), bad, example))
     except Exception as exc:  # a model that will not load, a server that will not answer
         console.print(f"[red]error:[/] {exc}")
         return 2
@@ -195,10 +224,12 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         table = Table(title="degeneration by factor")
-        for col in ("decoding", "KV cache", "degenerate", "example reason"):
+        for col in ("decoding", "KV cache", "weights", "degenerate", "example reason"):
             table.add_column(col, overflow="fold")
         for c in cells:
-            table.add_row(c.decoding, c.kv_cache, f"{c.degenerate}/{c.generations}", c.example)
+            table.add_row(
+                c.decoding, c.kv_cache, c.weights, f"{c.degenerate}/{c.generations}", c.example
+            )
         Console().print(table)
         Console().print(f"cause: [bold]{cause}[/] — {explanation}")
     return 0 if all(c.degenerate == 0 for c in cells) else 1

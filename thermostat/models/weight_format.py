@@ -72,6 +72,6 @@ def weight_bytes(model: nn.Module) -> int:
             tensors += [w.packed, w.scales] + ([] if w.zeros is None else [w.zeros])
         if isinstance(module, (PackedLinear, QuantLinear)) and module.bias is not None:
             tensors.append(module.bias)
-        for t in tensors:
-            seen[t.data_ptr()] = t.nbytes
+        for t in tensors:  # by identity: oneDNN's packed tensors have no data pointer
+            seen[id(t)] = t.numel() * t.element_size()
     return sum(seen.values())
