@@ -2,6 +2,7 @@
 weights shaped like SmolLM2-135M, same dtype, in one run.
 
     .venv/bin/python benchmarks/bench_engine.py [--batches 1 8 32] [--dtype bfloat16] [--json]
+    .venv/bin/python benchmarks/bench_engine.py --formats bf16 int8 int4   # weight formats
 
 Each batch size submits N requests of 128 random prompt tokens at once and generates 128 new
 tokens each (no early stop). The two engines run alternately `--repeats` times (default 3) and
@@ -90,6 +91,52 @@ def run_transformers(model, batch: int, args, seed: int = 1) -> dict:
     return {"tok_s": produced / elapsed, "ttft_s": ttft}
 
 
+def compare_formats(model_dir: Path, args, bandwidth: float) -> None:
+    """Thermostat in each weight format on the same model, alternating, medians."""
+    llms = {}
+    for fmt in args.formats:
+        llms[fmt] = LLM(
+            str(model_dir),
+            dtype=args.dtype,
+            max_num_seqs=64,
+            max_num_batched_tokens=2048,
+            quantization=None if fmt == "bf16" else fmt,
+        )
+        run_thermostat(llms[fmt], 2, argparse.Namespace(prompt_tokens=16, output_tokens=4), 0)
+    table = Table(
+        title=f"SmolLM2-135M-shaped weight formats, {torch.get_num_threads()} threads, medians "
+        f"of {args.repeats} alternating runs, CPU kernels {kernels.status()}"
+    )
+    table.add_column("batch", justify="right")
+    for fmt in args.formats:
+        mb = llms[fmt].engine.loaded.weight_bytes / 1e6
+        table.add_column(f"{fmt} tok/s ({mb:.0f} MB)", justify="right")
+    first = args.formats[0]
+    for fmt in args.formats[1:]:
+        table.add_column(f"{fmt} / {first}", justify="right")
+    results = []
+    for batch in args.batches:
+        runs: dict[str, list[float]] = {fmt: [] for fmt in args.formats}
+        for rep in range(args.repeats):
+            for fmt, llm in llms.items():
+                console.log(f"batch {batch}, run {rep + 1}/{args.repeats}: {fmt}")
+                runs[fmt].append(run_thermostat(llm, batch, args, seed=1 + rep)["tok_s"])
+        med = {fmt: statistics.median(v) for fmt, v in runs.items()}
+        ratios = [
+            statistics.median(a / b for a, b in zip(runs[fmt], runs[first], strict=True))
+            for fmt in args.formats[1:]
+        ]
+        results.append({"batch": batch, "tok_s": med, "runs": runs})
+        table.add_row(
+            str(batch), *(f"{med[f]:.1f}" for f in args.formats), *(f"{r:.2f}x" for r in ratios)
+        )
+    if args.json:
+        print(json.dumps({"copy_bandwidth_gbs": bandwidth, "rows": results}, indent=2))
+        return
+    Console().print(table)
+    print(f"copy bandwidth {bandwidth:.1f} GB/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -102,6 +149,13 @@ def main() -> None:
     parser.add_argument("--no-kernels", action="store_true", help="the pure-PyTorch path")
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs per batch size")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--formats",
+        nargs="+",
+        choices=["bf16", "int8", "int4"],
+        help="compare Thermostat's weight formats (alternating, ratios to the first) instead "
+        "of transformers",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -112,6 +166,9 @@ def main() -> None:
         console.log(f"writing a random SmolLM2-135M-shaped model to {model_dir}")
         write_model(model_dir, "llama", dtype=dtype, **SMOLLM2_135M)
     bandwidth = copy_bandwidth_gbs()
+    if args.formats:
+        compare_formats(model_dir, args, bandwidth)
+        return
     llm = LLM(
         str(model_dir),
         dtype=args.dtype,
