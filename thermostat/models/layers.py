@@ -17,7 +17,7 @@ from torch import nn
 from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata
 from thermostat.models.kv_cache import PagedKVCache
-from thermostat.models.linear import pack_linears
+from thermostat.models.linear import PackedEmbedding, PackedLinear, pack_linears
 from thermostat.models.rope import RotaryEmbedding
 from thermostat.models.weights import Index, ParameterFiller
 
@@ -255,6 +255,9 @@ class DecoderStack(nn.Module, Generic[A]):
         filler.check_complete()
         self._finish_loading()
         pack_linears(self, self.ops)
+        tied_and_packed = self.arch.tie_word_embeddings and isinstance(self.lm_head, PackedLinear)
+        if tied_and_packed and self.ops is not None:  # rows read out of the VNNI packing
+            self.embed_tokens = PackedEmbedding(self.lm_head)
 
     def _target(self, name: str) -> tuple[str, Index]:
         """A checkpoint name (no `model.` prefix) -> (parameter name, index into it)."""

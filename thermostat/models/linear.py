@@ -60,6 +60,26 @@ class PackedLinear(nn.Module):
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
 
+class PackedEmbedding(nn.Module):
+    """The embedding rows of a tied LM head, read out of its VNNI packing: one copy of the
+    table serves both (a SmolLM2-135M's is 57 MB in bf16)."""
+
+    def __init__(self, head: PackedLinear) -> None:
+        super().__init__()
+        self.head: list[PackedLinear] = [head]  # a list: the head is registered once, as lm_head
+
+    def table(self) -> torch.Tensor:
+        """The whole table [vocab, hidden]."""
+        return self.head[0].float_weight()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        head = self.head[0]
+        flat = ids.reshape(-1)
+        packed: torch.Tensor = head.packed
+        rows = packed[flat // 16, :, :, flat % 16].reshape(len(flat), -1)
+        return rows[:, : head.in_features].reshape(*ids.shape, head.in_features)
+
+
 def pack_linears(module: nn.Module, ops: CpuOps | None = None) -> int:
     """Replace every nn.Linear under `module` by a PackedLinear when the dtype allows it.
     Returns how many were packed."""

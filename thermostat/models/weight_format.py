@@ -20,7 +20,13 @@ from torch import nn
 
 from thermostat.kernels import CpuOps
 from thermostat.models.layers import Float32Module
-from thermostat.models.linear import PackedLinear, QuantEmbedding, QuantLinear, quantize_linears
+from thermostat.models.linear import (
+    PackedEmbedding,
+    PackedLinear,
+    QuantEmbedding,
+    QuantLinear,
+    quantize_linears,
+)
 from thermostat.models.moe import Experts
 from thermostat.models.quant import FORMATS, quantize
 
@@ -43,10 +49,11 @@ def quantize_model(model: nn.Module, fmt: str, ops: CpuOps | None) -> None:
     embed = getattr(model, "embed_tokens", None)
     head = getattr(model, "lm_head", None)
     arch = getattr(model, "arch", None)
-    tied = isinstance(embed, nn.Embedding) and bool(getattr(arch, "tie_word_embeddings", False))
-    if isinstance(embed, nn.Embedding):
-        table = quantize(embed.weight.detach(), "int8")
-        model.embed_tokens = QuantEmbedding(table, embed.weight.dtype)
+    tied = embed is not None and bool(getattr(arch, "tie_word_embeddings", False))
+    if isinstance(embed, (nn.Embedding, PackedEmbedding)):
+        rows = embed.weight.detach() if isinstance(embed, nn.Embedding) else embed.table()
+        table = quantize(rows, "int8")
+        model.embed_tokens = QuantEmbedding(table, rows.dtype)
         if tied:
             model.lm_head = QuantLinear(table, None, ops)
     if head is not None and not tied:
