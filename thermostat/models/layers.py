@@ -201,7 +201,7 @@ class DecoderStack(nn.Module, Generic[A]):
         super().__init__()
         self.arch = arch
         self.ops = ops
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens: nn.Module = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
@@ -255,9 +255,9 @@ class DecoderStack(nn.Module, Generic[A]):
         filler.check_complete()
         self._finish_loading()
         pack_linears(self, self.ops)
-        tied_and_packed = self.arch.tie_word_embeddings and isinstance(self.lm_head, PackedLinear)
-        if tied_and_packed and self.ops is not None:  # rows read out of the VNNI packing
-            self.embed_tokens = PackedEmbedding(self.lm_head)
+        head = self.lm_head
+        if self.arch.tie_word_embeddings and isinstance(head, PackedLinear) and self.ops:
+            self.embed_tokens = PackedEmbedding(head)  # rows read out of the VNNI packing
 
     def _target(self, name: str) -> tuple[str, Index]:
         """A checkpoint name (no `model.` prefix) -> (parameter name, index into it)."""
