@@ -10,7 +10,10 @@
 
 Norms, rotary tables, biases, MoE routers and other float32 parts stay as they are.
 `quantize_model` runs once after the float weights are loaded (`load_model(quantization=...)`);
-`weight_bytes` is what the startup report and /server_info give.
+`weight_bytes` is what the startup report and /server_info give. A checkpoint that is already
+integer-quantized (GPTQ, AWQ, compressed-tensors, GGUF) is loaded with `hold_float32` first: its
+dequantized weights then reach `quantize_model` on their exact grid (bfloat16 would round them
+off it), at the cost of holding those weights in float32 until they are quantized.
 """
 
 from __future__ import annotations
@@ -32,9 +35,20 @@ def check_quantization(name: str | None) -> None:
         raise ValueError(f"quantization must be one of {', '.join(FORMATS)}, got {name!r}")
 
 
-def quantize_model(model: nn.Module, fmt: str, ops: CpuOps | None) -> None:
+def hold_float32(model: nn.Module) -> None:
+    """The weights `quantize_model` quantizes (linear layers, MoE experts, embeddings, LM head) in
+    float32 until it does. Call after building the model, before loading its weights."""
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding, Experts)):
+            module.float()
+
+
+def quantize_model(
+    model: nn.Module, fmt: str, ops: CpuOps | None, dtype: torch.dtype | None = None
+) -> None:
     """Every linear layer and MoE expert of `model` in `fmt`, the embeddings and LM head in
-    int8 (one copy when tied). ValueError without the CPU kernels (nothing else computes it)."""
+    int8 (one copy when tied); `dtype`: what the embeddings give the layers (default: the
+    embedding weight's dtype). ValueError without the CPU kernels (nothing else computes it)."""
     check_quantization(fmt)
     if ops is None:
         raise ValueError(
@@ -46,7 +60,7 @@ def quantize_model(model: nn.Module, fmt: str, ops: CpuOps | None) -> None:
     tied = isinstance(embed, nn.Embedding) and bool(getattr(arch, "tie_word_embeddings", False))
     if isinstance(embed, nn.Embedding):
         table = quantize(embed.weight.detach(), "int8")
-        model.embed_tokens = QuantEmbedding(table, embed.weight.dtype)
+        model.embed_tokens = QuantEmbedding(table, dtype or embed.weight.dtype)
         if tied:
             model.lm_head = QuantLinear(table, None, ops)
     if head is not None and not tied:
