@@ -318,6 +318,15 @@ def test_a_missing_part_is_named(float_dir, tmp_path):
         load_model(path)
 
 
+def test_a_float_checkpoint_under_a_quantization_config_is_refused(float_dir, tmp_path):
+    path = tmp_path / "m"
+    shutil.copytree(float_dir, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"quantization_config": GPTQ_CONFIG}))
+    with pytest.raises(ModelLoadError, match="no GPTQ layer in the weights"):
+        load_model(path)
+
+
 def test_unpack_inverts_the_packings():
     g = torch.Generator().manual_seed(0)
     fields = torch.randint(0, 16, (6, 40), generator=g)

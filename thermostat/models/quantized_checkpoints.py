@@ -119,7 +119,10 @@ class PackedLinears:
         raise NotImplementedError
 
     def read(self, tensors: Tensors) -> Iterator[tuple[str, torch.Tensor]]:
+        """ValueError naming a layer missing a part, or a checkpoint with no quantized layer
+        (a float checkpoint under a quantization_config)."""
         pending: dict[str, dict[str, torch.Tensor]] = {}
+        layers = 0
         for name, tensor in tensors:
             found = self.part(name, tensor)
             if found is None:
@@ -130,12 +133,19 @@ class PackedLinears:
             have[part] = tensor
             required, optional = self.parts(layer)
             if have.keys() >= required | optional:
+                layers += 1
                 yield self._weight(layer, pending.pop(layer))
         for layer, have in pending.items():  # an optional part never came
             missing = self.parts(layer)[0] - have.keys()
             if missing:
                 raise ValueError(f"checkpoint: {layer} has {sorted(have)} but no {sorted(missing)}")
+            layers += 1
             yield self._weight(layer, have)
+        if not layers:
+            raise ValueError(
+                f"checkpoint: no {type(self).__name__} layer in the weights, though config.json's "
+                "quantization_config names that quantization"
+            )
 
     def _weight(self, layer: str, parts: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
         try:
