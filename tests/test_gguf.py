@@ -39,6 +39,9 @@ GGUF_NAMES = {  # Hugging Face (without model.layers.N.) -> GGUF (without blk.N.
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate_inp",
 }
 
 
@@ -67,6 +70,9 @@ def llama3_rope_factors(rope: dict, theta: float, dim: int) -> np.ndarray:
 
 
 def gguf_name(hf: str) -> str:
+    if ".experts." in hf:  # stacked: model.layers.N.mlp.experts.{proj}
+        layer, proj = hf.split(".")[2], hf.rsplit(".", 1)[1].removesuffix("_proj")
+        return f"blk.{layer}.ffn_{proj}_exps.weight"
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf == "model.norm.weight":
@@ -108,15 +114,16 @@ def add_tokenizer(writer: gguf.GGUFWriter, src: Path, vocab_size: int) -> None:
     writer.add_chat_template(template)
 
 
-def write_gguf(src: Path, out: Path, qtype: Q) -> dict[str, torch.Tensor]:
-    """`src` (a float32 Llama checkpoint) as a GGUF whose matrices are `qtype`; returns the
-    file's dequantized weights under their Hugging Face names (q and k rows back in order)."""
+def write_gguf(src: Path, out: Path, qtype: Q, arch: str = "llama") -> dict[str, torch.Tensor]:
+    """`src` (a float32 Llama or Qwen3-MoE checkpoint) as a GGUF whose matrices are `qtype`;
+    returns the file's dequantized weights under their Hugging Face names (q and k rows back in
+    order, experts one by one)."""
     config = json.loads((src / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config["hidden_size"] // heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-    writer = gguf.GGUFWriter(out, "llama")
+    writer = gguf.GGUFWriter(out, arch)
     writer.add_name("tiny")
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
@@ -131,30 +138,53 @@ def write_gguf(src: Path, out: Path, qtype: Q) -> dict[str, torch.Tensor]:
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type({Q.Q8_0: 7, Q.Q4_0: 2}[qtype])
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     add_tokenizer(writer, src, config["vocab_size"])
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, theta, head_dim))
-    dequantized = {}
-    for name, tensor in load_file(src / "model.safetensors").items():
-        w = tensor.float().numpy()
+    state = {k: t.float().numpy() for k, t in load_file(src / "model.safetensors").items()}
+    dequantized: dict[str, torch.Tensor] = {}
+    for name, w in stack_experts(state).items():
         heads_of = {"q_proj": heads, "k_proj": kv_heads}.get(name.split(".")[-2])
-        if heads_of:
+        if arch == "llama" and heads_of:
             w = llama_cpp_permute(w, heads_of)
-        if w.ndim == 2:
+        if w.ndim >= 2:
             blocks = gguf.quants.quantize(w, qtype)
             writer.add_tensor(gguf_name(name), blocks, raw_dtype=qtype)
             w = gguf.quants.dequantize(blocks, qtype)
         else:
             writer.add_tensor(gguf_name(name), w)
-        if heads_of:  # back to Hugging Face's rows, by the permutation's inverse
-            order = llama_cpp_permute(np.arange(w.shape[0]), heads_of)
-            w = w[np.argsort(order)]
-        dequantized[name] = torch.from_numpy(np.array(w, dtype=np.float32))
+        if arch == "llama" and heads_of:  # back to Hugging Face's rows
+            w = w[np.argsort(llama_cpp_permute(np.arange(w.shape[0]), heads_of))]
+        if ".experts." in name:
+            prefix, proj = name.rsplit(".", 1)
+            for e, expert in enumerate(w):
+                dequantized[f"{prefix}.{e}.{proj}.weight"] = torch.from_numpy(expert.copy())
+        else:
+            dequantized[name] = torch.from_numpy(np.array(w, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return dequantized
+
+
+def stack_experts(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per-expert weights `...experts.{e}.{proj}.weight` stacked as llama.cpp stores them:
+    `...experts.{proj}` [E, ...]."""
+    out: dict[str, np.ndarray] = {}
+    experts: dict[str, list[np.ndarray]] = {}
+    for name, w in state.items():
+        if ".experts." in name:
+            prefix, _, _e, proj, _ = name.rsplit(".", 4)
+            experts.setdefault(f"{prefix}.experts.{proj}", []).append(w)
+        else:
+            out[name] = w
+    return out | {name: np.stack(ws) for name, ws in experts.items()}
 
 
 def write_reference(src: Path, out: Path, weights: dict[str, torch.Tensor]) -> Path:
@@ -279,3 +309,20 @@ def test_llama3_rope_factors_from_rope_freqs(tmp_path):
     with torch.no_grad():
         expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], dim=-1)[:-1]
     assert ((expected.exp() * (expected - got)).sum(-1)).max() < 0.01
+
+
+def test_qwen3_moe_experts_stacked_in_the_file(tmp_path):
+    """llama.cpp stores a layer's experts as one [E, ...] tensor per projection: the engine's
+    logits are exactly those of the file's dequantized weights quantized at load (transformers'
+    would differ where int8 activations flip a routing choice)."""
+    src = write_model(tmp_path / "float", "qwen3_moe", mlp_only_layers=[])
+    path = tmp_path / "tiny-moe.gguf"
+    reference = write_reference(src, tmp_path / "ref", write_gguf(src, path, Q.Q8_0, "qwen3moe"))
+    llm = LLM(str(path), dtype="float32", **SMALL)
+    assert llm.engine.loaded.arch.architecture == "Qwen3MoeForCausalLM"
+    float_llm = LLM(str(reference), dtype="float32", quantization="int8", **SMALL)
+    prompts = [p for p in PROMPTS if len(p) > 1]
+    for got, want in zip(
+        prompt_logprobs(llm, prompts, 320), prompt_logprobs(float_llm, prompts, 320), strict=True
+    ):
+        assert torch.equal(got, want)

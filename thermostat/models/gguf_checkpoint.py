@@ -106,7 +106,7 @@ class GGUFCheckpoint:
             causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
             config.architectures = [causal] if causal else []
         config.dtype = FLOAT_TYPES.get(main_type, "bfloat16")
-        _set_rope_scaling(config, metadata, reader, path)
+        _fill_config(config, metadata, reader, path)
         try:
             file_type = LlamaFileType(int(metadata["general.file_type"]))
             named = file_type.name.removeprefix("MOSTLY_").removeprefix("ALL_")
@@ -148,7 +148,7 @@ class GGUFCheckpoint:
         }
         for tensor in self.reader.tensors:
             if tensor.name == ROPE_FREQS:
-                continue  # in the config's rope parameters (`_set_rope_scaling`)
+                continue  # in the config's rope parameters (`_fill_config`)
             values = torch.from_numpy(
                 np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
             )
@@ -211,13 +211,17 @@ def _main_type(reader: GGUFReader) -> str:
     return max(pool, key=lambda k: pool[k]) if pool else "F32"
 
 
-def _set_rope_scaling(
+def _fill_config(
     config: PretrainedConfig, metadata: dict[str, Any], reader: GGUFReader, path: Path
 ) -> None:
-    """The rope scaling the metadata declares (transformers' GGUF config leaves it out):
-    `{arch}.rope.scaling.type` linear or yarn with its factor, or llama3's per-frequency divisors
-    in the tensor rope_freqs.weight (as `frequency_factors`, which llama.cpp divides by)."""
+    """What transformers' GGUF config leaves out: an MoE's expert width
+    (`{arch}.expert_feed_forward_length`), the rope scaling `{arch}.rope.scaling.type` (linear
+    or yarn) declares, and llama3's per-frequency divisors, stored as the tensor rope_freqs.weight
+    (kept as rope `frequency_factors`, which llama.cpp divides by)."""
     arch = metadata.get("general.architecture")
+    expert_width = metadata.get(f"{arch}.expert_feed_forward_length")
+    if expert_width and hasattr(config, "moe_intermediate_size"):
+        config.moe_intermediate_size = int(expert_width)
     params = dict(getattr(config, "rope_parameters", None) or {})
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     kind = metadata.get(f"{arch}.rope.scaling.type")
