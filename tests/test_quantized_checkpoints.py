@@ -282,6 +282,14 @@ def test_quantization_given_wins(float_dir, tmp_path):
     assert (loaded.weight_format, loaded.weight_source) == ("int8", "gptq 4-bit g32")
 
 
+def test_without_the_cpu_kernels_the_dequantized_weights_are_served(float_dir, tmp_path):
+    path, _, reference = write_quantized(float_dir, tmp_path, "awq-g32")
+    loaded = load_model(path, dtype="float32", cpu_kernels=False)
+    assert (loaded.weight_format, loaded.weight_source) == ("float32", "awq 4-bit g32")
+    o_proj = loaded.model.layers[0].self_attn.o_proj.weight
+    assert torch.equal(o_proj, reference["model.layers.0.self_attn.o_proj.weight"])
+
+
 def refused(tmp_path: Path, float_dir: Path, quant: dict) -> str:
     path = tmp_path / "m"
     shutil.copytree(float_dir, path)
