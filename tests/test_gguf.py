@@ -326,3 +326,56 @@ def test_qwen3_moe_experts_stacked_in_the_file(tmp_path):
         prompt_logprobs(llm, prompts, 320), prompt_logprobs(float_llm, prompts, 320), strict=True
     ):
         assert torch.equal(got, want)
+
+
+def k_quant_blocks(rows: int, cols: int, qtype: Q, seed: int) -> np.ndarray:
+    """Random blocks of a k-quant (gguf can dequantize them, not quantize), their float16 super
+    scales set small: Q4_K (d, dmin first), Q6_K (d last)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(seed).integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scales = np.array([0.002, 0.001] if qtype == Q.Q4_K else [0.0005], dtype=np.float16)
+    at = 0 if qtype == Q.Q4_K else size - 2
+    raw[:, :, at : at + 2 * len(scales)] = scales.view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def test_q4_k_m_file_is_served_in_int4(tmp_path):
+    """A Q4_K_M file (Q4_K, with Q6_K for the down projections and embeddings) is an int4 file;
+    each block's 16 levels come back within a step."""
+    src = write_model(tmp_path / "float", hidden_size=256, intermediate_size=256)
+    config = json.loads((src / "config.json").read_text())
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, value in (
+        ("block_count", 2),
+        ("context_length", 512),
+        ("embedding_length", 256),
+        ("feed_forward_length", 256),
+        ("head_count", 4),
+        ("head_count_kv", 2),
+        ("layer_norm_rms_eps", 1e-6),
+        ("rope_dimension_count", 64),
+        ("file_type", 15),  # MOSTLY_Q4_K_M
+    ):
+        getattr(writer, f"add_{key}")(value)
+    add_tokenizer(writer, src, config["vocab_size"])
+    files = {}
+    for i, (name, tensor) in enumerate(load_file(src / "model.safetensors").items()):
+        if tensor.dim() == 1:
+            writer.add_tensor(gguf_name(name), tensor.numpy())
+            continue
+        qtype = Q.Q6_K if "down" in name or "embed" in name else Q.Q4_K
+        blocks = k_quant_blocks(*tensor.shape, qtype, seed=i)
+        writer.add_tensor(gguf_name(name), blocks, raw_dtype=qtype)
+        files[name] = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    loaded = load_model(path, dtype="float32")
+    assert (loaded.weight_format, loaded.weight_source) == ("int4", "gguf Q4_K_M")
+    want = files["model.layers.0.self_attn.o_proj.weight"].view(256, -1, 32)
+    got = loaded.model.layers[0].self_attn.o_proj.weight.dequantize().view_as(want)
+    step = (want.amax(-1, keepdim=True) - want.amin(-1, keepdim=True)) / 15
+    rounding = want.abs().amax(-1, keepdim=True) / 1024  # float16 scales (a constant block)
+    assert ((got - want).abs() <= step * 1.01 + rounding).all()
