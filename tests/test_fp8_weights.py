@@ -193,7 +193,7 @@ def test_read_names_the_tensor_at_fault(tensors, message):
 @pytest.mark.parametrize(
     ("quant", "message"),
     [
-        ({"quant_method": "gptq", "bits": 4}, r"quantization_config.quant_method='gptq'"),
+        ({"quant_method": "bitsandbytes"}, r"quantization_config.quant_method='bitsandbytes'"),
         (
             {"quant_method": "fp8", "activation_scheme": "static"},
             r"quantization_config.activation_scheme='static'",

@@ -25,7 +25,7 @@ from tests.v4_official import (
     write_hf_v4,
     write_official_checkpoint,
 )
-from thermostat.engine.loader import iter_tensors, weight_files
+from thermostat.engine.checkpoint import iter_tensors, weight_files
 from thermostat.models.deepseek_v4_names import hf_name, hf_names, official_config
 from thermostat.models.fp8_weights import BlockFP8
 from thermostat.models.moe import expert_target

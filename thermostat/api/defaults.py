@@ -43,10 +43,15 @@ class DefaultsReport:
         served_name: str,
         operator: dict[str, Any] | str | None,
         policy: Policy,
+        config_dict: dict[str, Any] | None = None,
     ) -> DefaultsReport:
-        """Raises ValueError for an invalid layer or a `recommended` without a known family."""
-        config_dict = json.loads((model_dir / "config.json").read_text())
-        gen = read_generation_config(model_dir)
+        """`model_dir`: a model directory, or a one-file model (a GGUF) whose directory may hold
+        generation_config.json; `config_dict`: what stands for config.json (default: the
+        directory's). Raises ValueError for an invalid layer or a `recommended` without a known
+        family."""
+        if config_dict is None:
+            config_dict = json.loads((model_dir / "config.json").read_text())
+        gen = read_generation_config(model_dir.parent if model_dir.is_file() else model_dir)
         defaults = build_sampling_defaults(gen.values, config_dict, operator, policy)
         return cls(served_name, defaults, gen, recommendation_for(config_dict))
 

@@ -55,12 +55,13 @@ def _read_request(arg: str | None) -> Any:
 def explain_offline(args: argparse.Namespace, raw: Any) -> dict[str, Any]:
     from thermostat.api.defaults import DefaultsReport
     from thermostat.api.request_params import parse_body, to_sampling_params
-    from thermostat.engine.loader import resolve_model_path
+    from thermostat.engine.loader import model_config_dict, resolve_model_path
 
     model_dir = resolve_model_path(args.model)
     policy = Policy(min_temperature=args.min_temperature, greedy=args.greedy)
     operator = parse_sampling_spec(args.sampling_defaults)
-    defaults = DefaultsReport.for_model(model_dir, model_dir.name, operator, policy)
+    config_dict = model_config_dict(model_dir)
+    defaults = DefaultsReport.for_model(model_dir, model_dir.name, operator, policy, config_dict)
     resolution = resolve(to_sampling_params(parse_body(raw)), defaults.layers)
     return {"model": str(model_dir), "sampling": resolution.to_dict()}
 

@@ -110,8 +110,8 @@ def _config_from(args: argparse.Namespace) -> UnitsConfig:
     model = args.model
     if model != "demo":
         path = Path(model).expanduser().resolve()
-        if not path.is_dir():
-            raise ValueError(f"--model {model}: not a directory")
+        if not path.is_dir() and not (path.is_file() and path.suffix == ".gguf"):
+            raise ValueError(f"--model {model}: not a directory (or a .gguf file)")
         model = str(path)
     thermostat = _absolute_executable(
         args.thermostat or _beside_python("thermostat") or "thermostat"

@@ -41,13 +41,19 @@ def model_identity(
     """The model as two servers can compare it cheaply: architecture, compute dtype, the weight
     format served (int8 on one half and bfloat16 on the other differ in every logit), a hash of
     config.json and one of the weight files' names and sizes (not their bytes: hashing a large
-    checkpoint at every start costs minutes)."""
-    config = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()[:16]
-    weights = sorted(
-        (p.name, p.stat().st_size)
-        for p in model_dir.iterdir()
-        if p.suffix in (".safetensors", ".bin", ".pt")
-    )
+    checkpoint at every start costs minutes). A one-file model (a GGUF) stands for both: its
+    first MiB (the metadata's start) and its name and size."""
+    if model_dir.is_file():
+        with model_dir.open("rb") as f:
+            config = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]
+        weights = [(model_dir.name, model_dir.stat().st_size)]
+    else:
+        config = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()[:16]
+        weights = sorted(
+            (p.name, p.stat().st_size)
+            for p in model_dir.iterdir()
+            if p.suffix in (".safetensors", ".bin", ".pt")
+        )
     files = hashlib.sha256(json.dumps(weights).encode()).hexdigest()[:16]
     return {
         "architecture": architecture,

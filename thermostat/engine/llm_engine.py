@@ -97,8 +97,9 @@ class LLMEngine:
             kernels.status() if config.cpu_kernels else "off (cpu_kernels=False)",
         )
         log.info(
-            "weights: %s, %.1f MB%s",
+            "weights: %s from %s, %.1f MB%s",
             self.loaded.weight_format,
+            self.loaded.weight_source,
             self.loaded.weight_bytes / 1e6,
             " (quantized at load: --quantization)" if config.quantization else "",
         )

@@ -1,7 +1,17 @@
-"""Load a Hugging Face model directory: config, safetensors weights, tokenizer, chat template,
-generation_config.json. Every failure names the file or field at fault. Block-fp8 weights
-(`quantization_config` quant_method fp8) are dequantized to the serving dtype as they are read
-(thermostat.models.fp8_weights)."""
+"""Load a model: a Hugging Face directory (config, safetensors weights, tokenizer, chat template,
+generation_config.json) or a GGUF file (thermostat.models.gguf_checkpoint). Every failure names
+the file or field at fault.
+
+| checkpoint                                   | read by                      | served (default) |
+|----------------------------------------------|------------------------------|------------------|
+| safetensors, float                           | engine.checkpoint            | the dtype        |
+| safetensors, quant_method fp8                | models.fp8_weights           | the dtype        |
+| safetensors, gptq / awq / compressed-tensors | models.quantized_checkpoints | int4 / int8      |
+| .gguf                                        | models.gguf_checkpoint       | int4, int8, dtype |
+
+`quantization` (int8 | int4) overrides the default; without the CPU kernels an integer checkpoint
+is served dequantized in the dtype. `LoadedModel.weight_format` is what is served,
+`weight_source` what the checkpoint held."""
 
 from __future__ import annotations
 
@@ -15,15 +25,20 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from thermostat import kernels
+from thermostat.engine.checkpoint import ModelLoadError, open_checkpoint
 from thermostat.engine.config import EngineConfig
-from thermostat.models.fp8_weights import BlockFP8
+from thermostat.models.gguf_checkpoint import is_gguf
 from thermostat.models.registry import ArchFacts, CausalLM, model_class
-from thermostat.models.weight_format import check_quantization, quantize_model, weight_bytes
+from thermostat.models.weight_format import (
+    check_quantization,
+    hold_float32,
+    quantize_model,
+    weight_bytes,
+)
 from thermostat.sampling.generation_config import (
     GenerationConfigDefaults,
     read_generation_config,
@@ -34,10 +49,6 @@ log = logging.getLogger("thermostat.loader")
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "demo"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(ValueError):
-    """The model directory cannot be served; the message says which file or field."""
 
 
 @dataclass
@@ -54,6 +65,7 @@ class LoadedModel:
     ops: kernels.CpuOps | None = None  # the compiled kernels the model (and its KV cache) may use
     weight_format: str = ""  # int8 | int4 | the dtype's name (bfloat16, ...): as served
     weight_bytes: int = 0  # what the weights take in memory as served
+    weight_source: str = ""  # what the checkpoint holds: safetensors bfloat16, gguf Q8_0, ...
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -64,13 +76,34 @@ class LoadedModel:
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    """'demo' names the bundled model; anything else is a directory."""
+    """'demo' names the bundled model; a .gguf file, or a directory holding exactly one .gguf and
+    no safetensors, is a GGUF checkpoint (its file is returned); anything else a Hugging Face
+    model directory."""
     path = DEMO_MODEL_DIR if str(model) == "demo" else Path(model).expanduser()
+    if is_gguf(path):
+        return path
+    if path.is_file():
+        raise ModelLoadError(f"{path}: neither a model directory nor a .gguf file")
     if not path.is_dir():
         raise ModelLoadError(f"model directory not found: {path}")
+    ggufs = sorted(path.glob("*.gguf"))
+    if ggufs and not any(path.glob("*.safetensors")):
+        if len(ggufs) > 1:
+            names = ", ".join(g.name for g in ggufs)
+            raise ModelLoadError(f"{path} holds {len(ggufs)} .gguf files ({names}): name one")
+        return ggufs[0]
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path}: config.json is missing (not a Hugging Face model directory)")
     return path
+
+
+def model_config_dict(path: Path) -> dict[str, Any]:
+    """config.json of a model directory, or the config a GGUF file's metadata gives (a path
+    `resolve_model_path` returned): what the sampling defaults read before the model loads."""
+    if is_gguf(path):
+        return open_checkpoint(path).config_dict
+    config: dict[str, Any] = json.loads((path / "config.json").read_text())
+    return config
 
 
 def resolve_dtype(name: str, config: PretrainedConfig) -> torch.dtype:
@@ -83,34 +116,6 @@ def resolve_dtype(name: str, config: PretrainedConfig) -> torch.dtype:
     if name not in DTYPES:
         raise ModelLoadError(f"dtype must be auto or one of {sorted(DTYPES)}, got {name!r}")
     return DTYPES[name]
-
-
-def weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise ModelLoadError(f"{index}: no readable weight_map ({exc})") from exc
-        files = [path / name for name in dict.fromkeys(weight_map.values())]
-        for f in files:
-            if not f.is_file():
-                raise ModelLoadError(f"{index} names {f.name}, which is missing")
-        return files
-    single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    found = sorted(path.glob("*.safetensors"))
-    if not found:
-        raise ModelLoadError(f"{path}: no *.safetensors weights (model.safetensors is missing)")
-    return found
-
-
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, handle.get_tensor(name)
 
 
 def load_configured(config: EngineConfig) -> LoadedModel:
@@ -144,48 +149,51 @@ def load_model(
         check_quantization(quantization)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except Exception as exc:  # transformers raises several types for a bad config
-        raise ModelLoadError(f"{path / 'config.json'}: {exc}") from exc
+    checkpoint = open_checkpoint(path)
+    config = checkpoint.config
     try:
         name, model_cls = model_class(list(getattr(config, "architectures", None) or []))
         arch = model_cls.arch_from_config(config, name)
-        fp8 = BlockFP8.from_config(config)
     except (ValueError, AttributeError) as exc:
         raise ModelLoadError(str(exc)) from exc
     torch_dtype = resolve_dtype(dtype, config)
     limit = min(max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
     ops = kernels.ops() if cpu_kernels else None
+    fmt = quantization or (checkpoint.serve_as if ops is not None else None)
+    if checkpoint.serve_as and fmt is None:
+        log.warning(
+            "%s holds %s weights, served dequantized in %s: int8 / int4 need the CPU kernels",
+            path,
+            checkpoint.source,
+            str(torch_dtype).removeprefix("torch."),
+        )
     net = model_cls(arch, config, torch_dtype, max_positions=limit, ops=ops)
+    if fmt is not None and checkpoint.serve_as is not None:
+        hold_float32(cast(nn.Module, net))  # the checkpoint's grid, exactly, until quantized
     try:
-        tensors = iter_tensors(weight_files(path))
-        net.load_weights(tensors if fp8 is None else fp8.read(tensors))
+        net.load_weights(checkpoint.tensors())
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
-    if quantization is not None:
+    if fmt is not None:
         try:
-            with progress_note(f"quantizing the weights to {quantization}"):
-                quantize_model(cast(nn.Module, net), quantization, ops)
+            with progress_note(f"quantizing the weights to {fmt}"):
+                quantize_model(cast(nn.Module, net), fmt, ops, torch_dtype)
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from exc
-    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-        raise ModelLoadError(f"{path}: tokenizer.json / tokenizer_config.json is missing")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = checkpoint.tokenizer()
+    except ModelLoadError:
+        raise
     except Exception as exc:
         raise ModelLoadError(f"{path}: cannot load the tokenizer ({exc})") from exc
-    template_file = path / "chat_template.jinja"
-    if tokenizer.chat_template is None and template_file.is_file():
-        tokenizer.chat_template = template_file.read_text()
     try:
-        generation_config = read_generation_config(path)
+        generation_config = read_generation_config(checkpoint.directory)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
     return LoadedModel(
         path=path,
         config=config,
-        config_dict=json.loads((path / "config.json").read_text()),
+        config_dict=checkpoint.config_dict,
         arch=arch,
         model=net,
         tokenizer=tokenizer,
@@ -193,6 +201,7 @@ def load_model(
         dtype=torch_dtype,
         max_model_len=limit,
         ops=ops,
-        weight_format=quantization or str(torch_dtype).removeprefix("torch."),
+        weight_format=fmt or str(torch_dtype).removeprefix("torch."),
         weight_bytes=weight_bytes(cast(nn.Module, net)),
+        weight_source=checkpoint.source,
     )

@@ -103,6 +103,16 @@ class BlockFP8:
             )
         return cls((block[0], block[1]), **flags)
 
+    @property
+    def serve_as(self) -> None:
+        """Served in the dtype unless `--quantization` says otherwise (fp8 is no engine format)."""
+        return None
+
+    @property
+    def source(self) -> str:
+        blocks = "per tensor" if self.block is None else f"blocks {self.block[0]}x{self.block[1]}"
+        return f"fp8 e4m3 {blocks}" + (", fp4 experts" if self.fp4_experts else "")
+
     def read(
         self, tensors: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:

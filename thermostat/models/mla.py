@@ -127,7 +127,10 @@ class MLAttention(nn.Module):
                 if kv_a.bias is not None:
                     bias = deinterleave_rope_rows(kv_a.bias, mla.latent_dim, mla.kv_lora_rank)
                     kv_a.bias.copy_(bias)
-            w = self.kv_b_proj.weight.detach().view(mla.num_heads, -1, mla.kv_lora_rank)
+            # in the compute dtype (the norms'), even where kv_b_proj is held in float32
+            # until it is quantized (weight_format.hold_float32)
+            dtype = self.kv_a_layernorm.weight.dtype
+            w = self.kv_b_proj.weight.detach().view(mla.num_heads, -1, mla.kv_lora_rank).to(dtype)
             self.w_uk = w[:, : mla.qk_nope_head_dim].clone()
             self.w_uv_t = w[:, mla.qk_nope_head_dim :].transpose(1, 2).contiguous()
 

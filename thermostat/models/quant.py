@@ -2,13 +2,15 @@
 
 | format | per block of 32 weights of one output              | bytes / weight | like           |
 |--------|----------------------------------------------------|----------------|----------------|
-| int8   | q in [-127, 127], d float16: w = d q               | 34 / 32 = 1.06 | llama.cpp q8_0 |
+| int8   | q in [-128, 127], d float16: w = d q               | 34 / 32 = 1.06 | llama.cpp q8_0 |
 | int4   | q in [0, 15], d float16, z int8: w = d (q - z)     | 19 / 32 = 0.59 | GPTQ / AWQ     |
 
 int4's integer zero point holds symmetric 4-bit (q4_0: z = 8), GPTQ and AWQ groups (a group of
 128 is four blocks with the same d and z) exactly. Quantizing a weight that already lies on such a
 grid (dequantized from one of those checkpoints) finds the grid and gives its integers back
 (`grid_step`); a float weight gets d = max|w| / 127 (int8), or its range in 15 steps (int4).
+q = -128 appears only where a checkpoint's grid has it (compressed-tensors' symmetric int8 rounds
+-127.5 steps to -128); the kernel stores q + 128 as an unsigned byte, so it costs nothing.
 
 Everything here is pure tensor math: `quantize_*` turn a float weight into (q, d[, z]),
 `QuantizedWeight.pack` lays them out for the kernel (thermostat.kernels `linear_quant`, whose
@@ -31,9 +33,13 @@ FORMATS: dict[str, Bits] = {"int8": 8, "int4": 4}
 
 def grid_step(blocks: torch.Tensor, affine: bool) -> torch.Tensor:
     """The step of an integer grid through 0 that each block [B, 32] of float32 values already
-    lies on, 0 where none fits the format: every value step * j for integers j with |j| <= 127
-    (int8) or with max j - min j <= 15 (int4). A weight dequantized from q8_0, q4_0, GPTQ or
-    AWQ lies on its checkpoint's grid; a float weight almost never does."""
+    lies on, 0 where none fits the format: every value step * j for integers j in [-128, 127]
+    (int8) or with max j - min j <= 15 (int4). A weight dequantized from q8_0, q4_0, GPTQ, AWQ
+    or compressed-tensors lies on its checkpoint's grid; a float weight almost never does.
+
+    The step is the smallest gap or nonzero |value|, or that divided by 2, 3 or 4 (a block of a
+    per-channel int8 grid may hold no two neighbouring integers: its smallest gap is then 2, 3
+    or 4 steps); the divisors are tried only on blocks whose first values fit them."""
     ordered = blocks.sort(dim=-1).values
     gaps = ordered.diff(dim=-1)
     candidates = torch.cat(  # the step divides every gap and every value
@@ -43,27 +49,41 @@ def grid_step(blocks: torch.Tensor, affine: bool) -> torch.Tensor:
         ],
         dim=-1,
     )
-    step = candidates.amin(dim=-1)
-    finite = torch.isfinite(step)
-    ratio = blocks / torch.where(finite, step, torch.ones_like(step))[:, None]
-    on_grid = (ratio - ratio.round()).abs().amax(dim=-1) <= 1e-3
+    smallest = candidates.amin(dim=-1)
+    finite = torch.isfinite(smallest)
+    smallest = torch.where(finite, smallest, torch.ones_like(smallest))
+    step = torch.where(finite & _on_grid(blocks, smallest, affine), smallest, 0.0)
+    for divisor in (2, 3, 4):
+        sub = smallest / divisor
+        lead = blocks[:, :4] / sub[:, None]
+        maybe = (step == 0) & finite & ((lead - lead.round()).abs().amax(dim=-1) <= 1e-3)
+        rows = maybe.nonzero().squeeze(1)
+        if len(rows):
+            fits = _on_grid(blocks[rows], sub[rows], affine)
+            step[rows[fits]] = sub[rows[fits]]
+    return step
+
+
+def _on_grid(blocks: torch.Tensor, step: torch.Tensor, affine: bool) -> torch.Tensor:
+    """Whether every value of each block [B, 32] is step * j for integers j the format holds."""
+    ratio = blocks / step[:, None]
     j = ratio.round()
+    on_grid = (ratio - j).abs().amax(dim=-1) <= 1e-3
+    lo, hi = j.amin(dim=-1), j.amax(dim=-1)
     if affine:
-        fits = (j.amax(dim=-1) - j.amin(dim=-1) <= 15) & (j.amin(dim=-1).abs() <= 127)
-    else:
-        fits = j.abs().amax(dim=-1) <= 127
-    return torch.where(finite & on_grid & fits, step, torch.zeros_like(step))
+        return on_grid & (hi - lo <= 15) & (lo.abs() <= 127)
+    return on_grid & (lo >= -128) & (hi <= 127)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] (K % 32 == 0) -> (q [N, K] int8 in [-127, 127], d [N, K / 32] float16):
+    """weight [N, K] (K % 32 == 0) -> (q [N, K] int8 in [-128, 127], d [N, K / 32] float16):
     d = max|w| / 127 of each block (q8_0), or the block's own grid step where it has one
-    (`grid_step`); rounded to float16 first, then q = round(w / d)."""
+    (`grid_step`: only there can q be -128); rounded to float16 first, then q = round(w / d)."""
     blocks = weight.float().reshape(weight.shape[0], -1, BLOCK)
     step = grid_step(blocks.reshape(-1, BLOCK), affine=False).view(blocks.shape[:2])
     d = torch.where(step > 0, step, blocks.abs().amax(dim=-1) / 127).half()
     inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
-    q = torch.round(blocks * inv[..., None]).clamp(-127, 127)
+    q = torch.round(blocks * inv[..., None]).clamp(-128, 127)
     return q.reshape(weight.shape).to(torch.int8), d
 
 
@@ -104,7 +124,7 @@ class QuantizedWeight:
     def pack(
         cls, q: torch.Tensor, d: torch.Tensor, z: torch.Tensor | None = None
     ) -> QuantizedWeight:
-        """q [N, K] (int8 in [-127, 127] with z None; uint8 in [0, 15] with z), d [N, ceil(K /
+        """q [N, K] (int8 in [-128, 127] with z None; uint8 in [0, 15] with z), d [N, ceil(K /
         32)] float16, z the same shape int8 -> the kernel's layout."""
         bits: Bits = 8 if z is None else 4
         n, k = q.shape

@@ -21,15 +21,21 @@ def rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
 
 def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim // 2] float32, attention scaling). Scaled types (linear, llama3, yarn,
-    dynamic, longrope) are computed by transformers' own table from the config."""
+    dynamic, longrope) are computed by transformers' own table from the config. A GGUF file's
+    llama3 rope comes as `frequency_factors` (its rope_freqs tensor): each frequency divided by
+    its factor, as llama.cpp computes it."""
     params = rope_parameters(config)
     rope_type = params["rope_type"]
+    factors = params.get("frequency_factors")
     if rope_type == "default":
         exponent = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
-        return 1.0 / (params["rope_theta"] ** exponent), 1.0
-    if rope_type not in ROPE_INIT_FUNCTIONS:
+        inv_freq, scaling = 1.0 / (params["rope_theta"] ** exponent), 1.0
+    elif rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"config.json: unsupported rope type {rope_type!r}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    if factors is not None:
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
     return inv_freq.float(), float(scaling)
 
 

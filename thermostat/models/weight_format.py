@@ -13,7 +13,10 @@ fewer weight bytes.
 
 Norms, rotary tables, biases, MoE routers and other float32 parts stay as they are.
 `quantize_model` runs once after the float weights are loaded (`load_model(quantization=...)`);
-`weight_bytes` is what the startup report and /server_info give.
+`weight_bytes` is what the startup report and /server_info give. A checkpoint that is already
+integer-quantized (GPTQ, AWQ, compressed-tensors, GGUF) is loaded with `hold_float32` first: its
+dequantized weights then reach `quantize_model` on their exact grid (bfloat16 would round them
+off it), at the cost of holding those weights in float32 until they are quantized.
 """
 
 from __future__ import annotations
@@ -41,9 +44,20 @@ def check_quantization(name: str | None) -> None:
         raise ValueError(f"quantization must be one of {', '.join(FORMATS)}, got {name!r}")
 
 
-def quantize_model(model: nn.Module, fmt: str, ops: CpuOps | None) -> None:
+def hold_float32(model: nn.Module) -> None:
+    """The weights `quantize_model` quantizes (linear layers, MoE experts, embeddings, LM head) in
+    float32 until it does. Call after building the model, before loading its weights."""
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding, Experts)):
+            module.float()
+
+
+def quantize_model(
+    model: nn.Module, fmt: str, ops: CpuOps | None, dtype: torch.dtype | None = None
+) -> None:
     """Every linear layer and MoE expert of `model` in `fmt`, the embeddings and LM head in
-    int8 (one copy when tied). ValueError without the CPU kernels (nothing else computes it)."""
+    int8 (one copy when tied); `dtype`: what the embeddings give the layers (default: the
+    embedding weight's dtype). ValueError without the CPU kernels (nothing else computes it)."""
     check_quantization(fmt)
     if ops is None:
         raise ValueError(
@@ -56,7 +70,7 @@ def quantize_model(model: nn.Module, fmt: str, ops: CpuOps | None) -> None:
     if isinstance(embed, (nn.Embedding, PackedEmbedding)):
         rows = embed.weight.detach() if isinstance(embed, nn.Embedding) else embed.table()
         table = quantize(rows, "int8")
-        model.embed_tokens = QuantEmbedding(table, rows.dtype)
+        model.embed_tokens = QuantEmbedding(table, dtype or rows.dtype)
         if tied:
             model.lm_head = QuantLinear(table, None, ops)
     if head is not None and not tied:

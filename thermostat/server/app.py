@@ -10,14 +10,16 @@ from thermostat.api.body_limits import BodyLimitsMiddleware
 from thermostat.api.defaults import DefaultsReport
 from thermostat.api.errors import install_error_handlers
 from thermostat.api.middleware import GateMiddleware
-from thermostat.engine.loader import DEMO_MODEL_DIR, ModelLoadError, resolve_model_path
+from thermostat.engine.checkpoint import ModelLoadError
+from thermostat.engine.loader import DEMO_MODEL_DIR, model_config_dict, resolve_model_path
 from thermostat.server.config import ServerConfig
 from thermostat.server.routes import router
 from thermostat.server.state import ServerState
 
 
 def locate_model(model: str) -> Path:
-    """The model directory; raises ModelLoadError with a message a person can act on."""
+    """The model directory (or .gguf file); raises ModelLoadError with a message a person can
+    act on."""
     if model == "demo" and not (DEMO_MODEL_DIR / "config.json").is_file():
         raise ModelLoadError(
             f"bundled demo model not found (expected in {DEMO_MODEL_DIR}); serve a Hugging Face "
@@ -31,7 +33,9 @@ def create_app(config: ServerConfig) -> FastAPI:
     apply to this model) before anything is loaded. The model loads when the app starts."""
     model_dir = locate_model(config.engine.model)
     name = config.served_model_name or ("demo" if config.engine.model == "demo" else model_dir.name)
-    defaults = DefaultsReport.for_model(model_dir, name, config.sampling_defaults, config.policy)
+    defaults = DefaultsReport.for_model(
+        model_dir, name, config.sampling_defaults, config.policy, model_config_dict(model_dir)
+    )
     state = ServerState(config, model_dir, defaults)
     app = FastAPI(title="Thermostat", lifespan=state.lifespan)
     app.state.thermostat = state

@@ -214,7 +214,7 @@ async def server_info(request: Request) -> dict[str, Any]:
         "max_num_seqs": cfg.engine.max_num_seqs,
         "max_model_len": state.max_model_len,
         "kv_cache_dtype": cfg.engine.kv_cache_dtype,
-        **state.weights,  # weight_format, weight_bytes
+        **state.weights,  # weight_format, weight_bytes, weight_source
         **state.kv_bytes,  # KV bytes per token of context, fixed bytes per sequence
         "disaggregation_mode": cfg.disaggregation_mode or "null",
         "disaggregation_bootstrap_port": cfg.bootstrap_port,

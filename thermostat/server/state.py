@@ -49,7 +49,9 @@ class ServerState(Lifecycle):
         self.kv_bytes: dict[str, float | int | None] = dict.fromkeys(
             ("kv_bytes_per_token", "kv_fixed_bytes_per_sequence")
         )
-        self.weights: dict[str, str | int | None] = dict.fromkeys(("weight_format", "weight_bytes"))
+        self.weights: dict[str, str | int | None] = dict.fromkeys(
+            ("weight_format", "weight_bytes", "weight_source")
+        )
         self.serving: Serving
         self.prompts: PromptBuilder
         self.tokens: TokenText
@@ -89,6 +91,7 @@ class ServerState(Lifecycle):
         self.weights = {
             "weight_format": engine.loaded.weight_format,
             "weight_bytes": engine.loaded.weight_bytes,
+            "weight_source": engine.loaded.weight_source,
         }
         self.kv_bytes = {
             "kv_bytes_per_token": engine.kv_bytes_per_token,

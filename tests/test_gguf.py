@@ -1,0 +1,381 @@
+"""GGUF files written here from a tiny random Llama as llama.cpp's converter writes them (q and k
+rows permuted for its rotary layout, the tokenizer in the metadata, Q8_0 / Q4_0 blocks from
+gguf.quants), against the file's own integers and against transformers on its dequantized
+weights."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
+
+from tests.conftest import hf_model
+from tests.test_deepseek import PROMPTS, prompt_logprobs
+from thermostat import LLM, SamplingParams, kernels
+from thermostat.api.defaults import DefaultsReport
+from thermostat.engine.loader import load_model, model_config_dict, resolve_model_path
+from thermostat.random_model import write_model
+from thermostat.sampling import Policy
+
+pytestmark = pytest.mark.skipif(kernels.ops() is None, reason="int8 / int4 need the CPU kernels")
+
+SMALL = {"enable_prefix_caching": False, "kv_cache_memory_gb": 0.02}  # a tiny model's cache
+GGUF_NAMES = {  # Hugging Face (without model.layers.N.) -> GGUF (without blk.N.)
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate": "ffn_gate_inp",
+}
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf's LlamaModel.permute: q / k rows to llama.cpp's rotary layout."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def llama3_rope_factors(rope: dict, theta: float, dim: int) -> np.ndarray:
+    """convert_hf_to_gguf's rope_freqs for a llama3 rope: the divisor of each frequency."""
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(rope["factor"])
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def gguf_name(hf: str) -> str:
+    if ".experts." in hf:  # stacked: model.layers.N.mlp.experts.{proj}
+        layer, proj = hf.split(".")[2], hf.rsplit(".", 1)[1].removesuffix("_proj")
+        return f"blk.{layer}.ffn_{proj}_exps.weight"
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, *rest = hf.split(".")
+    return f"blk.{layer}.{GGUF_NAMES['.'.join(rest[:-1])]}.{rest[-1]}"
+
+
+def add_tokenizer(writer: gguf.GGUFWriter, src: Path, vocab_size: int) -> None:
+    """The model's byte-level BPE as llama.cpp's converter stores a "gpt2" tokenizer."""
+    spec = json.loads((src / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"] | {t["content"]: t["id"] for t in spec["added_tokens"]}
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    for text, i in vocab.items():
+        tokens[i] = text
+    special = {t["id"] for t in spec["added_tokens"]}
+    types = [
+        gguf.TokenType.CONTROL
+        if i in special
+        else gguf.TokenType.UNUSED
+        if i >= len(vocab)
+        else gguf.TokenType.NORMAL
+        for i in range(vocab_size)
+    ]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    template = json.loads((src / "tokenizer_config.json").read_text()).get("chat_template")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(0)
+    writer.add_add_bos_token(False)
+    if template is None and (src / "chat_template.jinja").is_file():
+        template = (src / "chat_template.jinja").read_text()
+    writer.add_chat_template(template)
+
+
+def write_gguf(src: Path, out: Path, qtype: Q, arch: str = "llama") -> dict[str, torch.Tensor]:
+    """`src` (a float32 Llama or Qwen3-MoE checkpoint) as a GGUF whose matrices are `qtype`;
+    returns the file's dequantized weights under their Hugging Face names (q and k rows back in
+    order, experts one by one)."""
+    config = json.loads((src / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    writer = gguf.GGUFWriter(out, arch)
+    writer.add_name("tiny")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(theta)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_file_type({Q.Q8_0: 7, Q.Q4_0: 2}[qtype])
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    add_tokenizer(writer, src, config["vocab_size"])
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, theta, head_dim))
+    state = {k: t.float().numpy() for k, t in load_file(src / "model.safetensors").items()}
+    dequantized: dict[str, torch.Tensor] = {}
+    for name, w in stack_experts(state).items():
+        heads_of = {"q_proj": heads, "k_proj": kv_heads}.get(name.split(".")[-2])
+        if arch == "llama" and heads_of:
+            w = llama_cpp_permute(w, heads_of)
+        if w.ndim >= 2:
+            blocks = gguf.quants.quantize(w, qtype)
+            writer.add_tensor(gguf_name(name), blocks, raw_dtype=qtype)
+            w = gguf.quants.dequantize(blocks, qtype)
+        else:
+            writer.add_tensor(gguf_name(name), w)
+        if arch == "llama" and heads_of:  # back to Hugging Face's rows
+            w = w[np.argsort(llama_cpp_permute(np.arange(w.shape[0]), heads_of))]
+        if ".experts." in name:
+            prefix, proj = name.rsplit(".", 1)
+            for e, expert in enumerate(w):
+                dequantized[f"{prefix}.{e}.{proj}.weight"] = torch.from_numpy(expert.copy())
+        else:
+            dequantized[name] = torch.from_numpy(np.array(w, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dequantized
+
+
+def stack_experts(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per-expert weights `...experts.{e}.{proj}.weight` stacked as llama.cpp stores them:
+    `...experts.{proj}` [E, ...]."""
+    out: dict[str, np.ndarray] = {}
+    experts: dict[str, list[np.ndarray]] = {}
+    for name, w in state.items():
+        if ".experts." in name:
+            prefix, _, _e, proj, _ = name.rsplit(".", 4)
+            experts.setdefault(f"{prefix}.experts.{proj}", []).append(w)
+        else:
+            out[name] = w
+    return out | {name: np.stack(ws) for name, ws in experts.items()}
+
+
+def write_reference(src: Path, out: Path, weights: dict[str, torch.Tensor]) -> Path:
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("model.safetensors"))
+    save_file(weights, out / "model.safetensors")
+    return out
+
+
+@pytest.fixture(scope="module")
+def q8_0(tmp_path_factory):
+    """(the Q8_0 file in a directory of its own, its dequantized weights, the float source)."""
+    root = tmp_path_factory.mktemp("gguf")
+    src = write_model(root / "float")
+    (root / "q8").mkdir()
+    path = root / "q8" / "tiny-q8_0.gguf"
+    return path, write_gguf(src, path, Q.Q8_0), src
+
+
+def q8_0_rows(reader: gguf.GGUFReader, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor's own integers [N, K] and float16 scales [N, K / 32], from its bytes, its
+    rows in Hugging Face's order (q and k back from llama.cpp's permutation)."""
+    raw = next(t for t in reader.tensors if t.name == name).data
+    blocks = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, 34)
+    d = blocks[:, :, :2].copy().view(np.float16)[..., 0]
+    q = blocks[:, :, 2:].copy().view(np.int8).reshape(raw.shape[0], -1)
+    heads = {"attn_q": 4, "attn_k": 2}.get(name.split(".")[-2])
+    if heads:
+        inverse = np.argsort(llama_cpp_permute(np.arange(len(q)), heads))
+        q, d = q[inverse], d[inverse]
+    return torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(d))
+
+
+def test_q8_0_is_served_in_int8_with_the_files_integers_and_scales(q8_0):
+    path, _, _ = q8_0
+    loaded = load_model(path)
+    assert (loaded.weight_format, loaded.weight_source) == ("int8", "gguf Q8_0")
+    assert loaded.dtype == torch.bfloat16  # "auto" for a quantized file
+    reader = gguf.GGUFReader(path)
+    for layer, block in enumerate(loaded.model.layers):
+        for module, names in (
+            (block.self_attn.qkv_proj, ["attn_q", "attn_k", "attn_v"]),
+            (block.self_attn.o_proj, ["attn_output"]),
+            (block.mlp.gate_up_proj, ["ffn_gate", "ffn_up"]),
+            (block.mlp.down_proj, ["ffn_down"]),
+        ):
+            q, d, _ = module.weight.unpack()
+            parts = [q8_0_rows(reader, f"blk.{layer}.{n}.weight") for n in names]
+            assert torch.equal(q, torch.cat([p[0] for p in parts])), (layer, names)
+            assert torch.equal(d, torch.cat([p[1] for p in parts])), (layer, names)
+    embed_q, embed_d, _ = loaded.model.embed_tokens.weight.unpack()
+    file_q, file_d = q8_0_rows(reader, "token_embd.weight")
+    assert torch.equal(embed_q, file_q) and torch.equal(embed_d, file_d)
+
+
+def test_logits_match_transformers_on_the_files_weights(q8_0, tmp_path):
+    path, dequantized, src = q8_0
+    hf = hf_model(write_reference(src, tmp_path / "ref", dequantized))
+    llm = LLM(str(path), dtype="float32", **SMALL)
+    prompts = [p for p in PROMPTS if len(p) > 1]
+    for prompt, got in zip(prompts, prompt_logprobs(llm, prompts, 320), strict=True):
+        with torch.no_grad():
+            expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], dim=-1)[:-1]
+        kl = (expected.exp() * (expected - got)).sum(-1)  # int8 activations, per block of 32
+        assert kl.max() < 0.01, kl
+
+
+def test_greedy_generation_tokenizer_and_chat_template_from_the_metadata(q8_0):
+    path, _, src = q8_0
+    llm = LLM(str(path.parent), **SMALL)  # the directory holding one .gguf
+    out = llm.generate(["It was the best of"], SamplingParams(temperature=0, max_tokens=8))[0]
+    assert out.finish_reason in ("length", "stop") and out.token_ids
+    want = AutoTokenizer.from_pretrained(src)
+    text = "It was the age of wisdom, café 日本語"
+    assert llm.tokenizer.encode(text) == want.encode(text)
+    assert llm.tokenizer.chat_template == want.chat_template
+    assert llm.engine.loaded.generation_config.values == {}  # none beside the file: builtin
+
+
+def test_tokenizer_and_generation_config_beside_the_file_win(q8_0, tmp_path):
+    path, _, src = q8_0
+    beside = tmp_path / "beside"
+    beside.mkdir()
+    shutil.copy(path, beside / path.name)
+    shutil.copy(src / "tokenizer.json", beside)
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ messages[0]['content'] }}"
+    (beside / "tokenizer_config.json").write_text(json.dumps(config))
+    (beside / "generation_config.json").write_text(json.dumps({"temperature": 0.6}))
+    assert resolve_model_path(beside) == beside / path.name
+    loaded = load_model(beside / path.name)
+    assert loaded.tokenizer.chat_template == "{{ messages[0]['content'] }}"
+    assert loaded.generation_config.values == {"temperature": 0.6}
+    report = DefaultsReport.for_model(
+        beside / path.name, "tiny", None, Policy(), model_config_dict(beside / path.name)
+    )
+    assert report.baseline().source["temperature"] == "generation_config"
+
+
+def test_q4_0_is_served_in_int4_on_the_files_grid(q8_0, tmp_path):
+    _, _, src = q8_0
+    path = tmp_path / "tiny-q4_0.gguf"
+    dequantized = write_gguf(src, path, Q.Q4_0)
+    loaded = load_model(path, dtype="float32")
+    assert (loaded.weight_format, loaded.weight_source) == ("int4", "gguf Q4_0")
+    block = loaded.model.layers[1]
+    qkv = torch.cat([dequantized[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(block.self_attn.qkv_proj.weight.dequantize(), qkv)
+    assert torch.equal(
+        block.mlp.down_proj.weight.dequantize(), dequantized["model.layers.1.mlp.down_proj.weight"]
+    )
+
+
+def test_llama3_rope_factors_from_rope_freqs(tmp_path):
+    """A Llama-3 GGUF carries its rope scaling as rope_freqs.weight, not in the metadata."""
+    src = write_model(tmp_path / "float", "llama3-rope")
+    path = tmp_path / "tiny-llama3.gguf"
+    dequantized = write_gguf(src, path, Q.Q8_0)
+    hf = hf_model(write_reference(src, tmp_path / "ref", dequantized))
+    llm = LLM(str(path), dtype="float32", **SMALL)
+    prompt = list(range(40, 90))  # past original_max_position_embeddings (64)
+    (got,) = prompt_logprobs(llm, [prompt], 320)
+    with torch.no_grad():
+        expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], dim=-1)[:-1]
+    assert ((expected.exp() * (expected - got)).sum(-1)).max() < 0.01
+
+
+def test_qwen3_moe_experts_stacked_in_the_file(tmp_path):
+    """llama.cpp stores a layer's experts as one [E, ...] tensor per projection: the engine's
+    logits are exactly those of the file's dequantized weights quantized at load (transformers'
+    would differ where int8 activations flip a routing choice)."""
+    src = write_model(tmp_path / "float", "qwen3_moe", mlp_only_layers=[])
+    path = tmp_path / "tiny-moe.gguf"
+    reference = write_reference(src, tmp_path / "ref", write_gguf(src, path, Q.Q8_0, "qwen3moe"))
+    llm = LLM(str(path), dtype="float32", **SMALL)
+    assert llm.engine.loaded.arch.architecture == "Qwen3MoeForCausalLM"
+    float_llm = LLM(str(reference), dtype="float32", quantization="int8", **SMALL)
+    prompts = [p for p in PROMPTS if len(p) > 1]
+    for got, want in zip(
+        prompt_logprobs(llm, prompts, 320), prompt_logprobs(float_llm, prompts, 320), strict=True
+    ):
+        assert torch.equal(got, want)
+
+
+def k_quant_blocks(rows: int, cols: int, qtype: Q, seed: int) -> np.ndarray:
+    """Random blocks of a k-quant (gguf can dequantize them, not quantize), their float16 super
+    scales set small: Q4_K (d, dmin first), Q6_K (d last)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(seed).integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scales = np.array([0.002, 0.001] if qtype == Q.Q4_K else [0.0005], dtype=np.float16)
+    at = 0 if qtype == Q.Q4_K else size - 2
+    raw[:, :, at : at + 2 * len(scales)] = scales.view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def test_q4_k_m_file_is_served_in_int4(tmp_path):
+    """A Q4_K_M file (Q4_K, with Q6_K for the down projections and embeddings) is an int4 file;
+    each block's 16 levels come back within a step."""
+    src = write_model(tmp_path / "float", hidden_size=256, intermediate_size=256)
+    config = json.loads((src / "config.json").read_text())
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, value in (
+        ("block_count", 2),
+        ("context_length", 512),
+        ("embedding_length", 256),
+        ("feed_forward_length", 256),
+        ("head_count", 4),
+        ("head_count_kv", 2),
+        ("layer_norm_rms_eps", 1e-6),
+        ("rope_dimension_count", 64),
+        ("file_type", 15),  # MOSTLY_Q4_K_M
+    ):
+        getattr(writer, f"add_{key}")(value)
+    add_tokenizer(writer, src, config["vocab_size"])
+    files = {}
+    for i, (name, tensor) in enumerate(load_file(src / "model.safetensors").items()):
+        if tensor.dim() == 1:
+            writer.add_tensor(gguf_name(name), tensor.numpy())
+            continue
+        qtype = Q.Q6_K if "down" in name or "embed" in name else Q.Q4_K
+        blocks = k_quant_blocks(*tensor.shape, qtype, seed=i)
+        writer.add_tensor(gguf_name(name), blocks, raw_dtype=qtype)
+        files[name] = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    loaded = load_model(path, dtype="float32")
+    assert (loaded.weight_format, loaded.weight_source) == ("int4", "gguf Q4_K_M")
+    want = files["model.layers.0.self_attn.o_proj.weight"].view(256, -1, 32)
+    got = loaded.model.layers[0].self_attn.o_proj.weight.dequantize().view_as(want)
+    step = (want.amax(-1, keepdim=True) - want.amin(-1, keepdim=True)) / 15
+    rounding = want.abs().amax(-1, keepdim=True) / 1024  # float16 scales (a constant block)
+    assert ((got - want).abs() <= step * 1.01 + rounding).all()

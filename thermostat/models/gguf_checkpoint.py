@@ -1,0 +1,240 @@
+"""GGUF files (llama.cpp's one-file checkpoints): `thermostat serve --model model.gguf`.
+
+The config, tokenizer and chat template come from the file's metadata through transformers
+(`AutoConfig` / `AutoTokenizer` with `gguf_file`); a tokenizer.json or tokenizer_config.json
+beside the file wins over the metadata's tokenizer, and a generation_config.json beside it gives
+generation defaults (without one: the builtin ones). Tensors are read one at a time with the
+`gguf` package, dequantized to float32 (`gguf.quants.dequantize`) and renamed to the Hugging Face
+names of transformers' model for the config (gguf's tensor name map); llama.cpp's converter
+permutes the rows of Llama's q and k projections for its rotary layout, which `read` undoes.
+
+| GGUF type                 | a block of weights            | served as (default)              |
+|---------------------------|-------------------------------|----------------------------------|
+| F32, F16, BF16            | as stored                     | that dtype                       |
+| Q8_0                      | 32: d q, q int8               | int8, exactly the file's q and d |
+| Q4_0                      | 32: d (q - 8), q 4-bit        | int4, exactly the file's grid    |
+| Q4_1, Q4_K, below 4 bits  | d q + m: m no multiple of d   | int4, requantized by range       |
+| Q5_0, Q5_1, Q5_K, Q6_K    | 5 and 6 bits                  | int8, requantized                |
+
+A file's type is the one holding most of its quantized weights (a Q4_K_M file is mostly Q4_K,
+with Q6_K for some layers): up to 5 bits per weight it is served in int4, above in int8 (the
+file's other tensors are requantized the same way), a float file in its own dtype. The compute
+dtype ("auto") is the float file's, bfloat16 for a quantized one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import (
+    GGML_QUANT_SIZES,
+    MODEL_ARCH_NAMES,
+    GGMLQuantizationType,
+    GGUFReader,
+    LlamaFileType,
+    get_tensor_name_map,
+)
+from gguf.quants import dequantize
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+INT4_MAX_BITS = 5.0  # bits per weight up to which a file is served in int4
+EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)_exps\.weight")
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's llama3 rope: a divisor per frequency
+
+
+def is_gguf(path: Path) -> bool:
+    return path.suffix == ".gguf" and path.is_file()
+
+
+def bits_per_weight(type_name: str) -> float:
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    return size * 8 / block
+
+
+def unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k permutation (convert_hf_to_gguf `LlamaModel.permute`): per head, its
+    rows [first halves of pairs..., second halves...] back to Hugging Face's order."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+@dataclass
+class GGUFCheckpoint:
+    """One .gguf file: its config and what its tensors are."""
+
+    path: Path
+    reader: GGUFReader
+    config: PretrainedConfig
+    architecture: str  # general.architecture: llama, qwen2, ...
+    main_type: str  # the GGML type holding most weights: Q8_0, Q4_K, BF16, ...
+    file_type: str  # general.file_type's name (Q4_K_M), else main_type
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, path: Path) -> GGUFCheckpoint:
+        """ValueError naming the file and what in it cannot be served."""
+        try:
+            reader = GGUFReader(path)
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"{path}: not a readable GGUF file ({exc})") from exc
+        metadata = {k: f.contents() for k, f in reader.fields.items() if not _is_vocab(k)}
+        architecture = str(metadata.get("general.architecture", ""))
+        try:
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        except Exception as exc:  # transformers raises several types for an unknown file
+            raise ValueError(f"{path}: transformers cannot read its config ({exc})") from exc
+        main_type = _main_type(reader)
+        if not getattr(config, "architectures", None):
+            causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+            config.architectures = [causal] if causal else []
+        config.dtype = FLOAT_TYPES.get(main_type, "bfloat16")
+        _fill_config(config, metadata, reader, path)
+        try:
+            file_type = LlamaFileType(int(metadata["general.file_type"]))
+            named = file_type.name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        except (KeyError, ValueError, TypeError):
+            named = main_type
+        return cls(path, reader, config, architecture, main_type, named, metadata)
+
+    @property
+    def serve_as(self) -> str | None:
+        """int8 | int4 | None (the dtype), by the file's main type."""
+        if self.main_type in FLOAT_TYPES:
+            return None
+        return "int4" if bits_per_weight(self.main_type) <= INT4_MAX_BITS else "int8"
+
+    @property
+    def source(self) -> str:
+        return f"gguf {self.file_type}"
+
+    @property
+    def directory(self) -> Path:
+        """Where a tokenizer and generation_config.json beside the file are looked up."""
+        return self.path.parent
+
+    @property
+    def config_dict(self) -> dict[str, Any]:
+        """What stands for config.json: the config the metadata gives."""
+        config: dict[str, Any] = self.config.to_dict()
+        return config
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, float32 tensor), one tensor of the file at a time; a stacked
+        experts tensor [E, ...] as one tensor per expert. ValueError naming a tensor the model
+        has no name for."""
+        names = self._hf_names()
+        heads = {
+            "attn_q": self.config.num_attention_heads,
+            "attn_k": getattr(self.config, "num_key_value_heads", None)
+            or self.config.num_attention_heads,
+        }
+        for tensor in self.reader.tensors:
+            if tensor.name == ROPE_FREQS:
+                continue  # in the config's rope parameters (`_fill_config`)
+            values = torch.from_numpy(
+                np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            )
+            experts = EXPERTS.fullmatch(tensor.name)
+            if experts is not None:
+                prefix = f"model.layers.{experts['layer']}.mlp.experts"
+                for e, expert in enumerate(values):
+                    yield f"{prefix}.{e}.{experts['proj']}_proj.weight", expert
+                continue
+            if tensor.name not in names:
+                raise ValueError(f"{self.path}: tensor {tensor.name} has no place in the model")
+            kind = tensor.name.split(".")[-2] if tensor.name.startswith("blk.") else ""
+            if self.architecture == "llama" and kind in heads:
+                values = unpermute_rows(values, heads[kind])
+            yield names[tensor.name], values
+
+    def _hf_names(self) -> dict[str, str]:
+        """GGUF tensor name -> the Hugging Face name, through gguf's name map over the names of
+        transformers' model for this config (built on the meta device: no memory)."""
+        arch = next((a for a, name in MODEL_ARCH_NAMES.items() if name == self.architecture), None)
+        if arch is None:
+            raise ValueError(f"{self.path}: gguf does not know architecture {self.architecture}")
+        name_map = get_tensor_name_map(arch, self.config.num_hidden_layers)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.config)  # type: ignore[no-untyped-call]
+        names: dict[str, str] = {}
+        for hf_name in model.state_dict():
+            base, _, suffix = hf_name.rpartition(".")
+            gguf_name = name_map.get_name(base)
+            if gguf_name is not None:
+                names.setdefault(f"{gguf_name}.{suffix}", hf_name)
+        return names
+
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer beside the file when there is one, else the file's own."""
+        beside = self.directory
+        if (beside / "tokenizer.json").is_file() or (beside / "tokenizer_config.json").is_file():
+            return AutoTokenizer.from_pretrained(beside)
+        return AutoTokenizer.from_pretrained(beside, gguf_file=self.path.name)
+
+
+def _is_vocab(key: str) -> bool:
+    return key.startswith("tokenizer.ggml.") and key.rsplit(".", 1)[1] in (
+        "tokens",
+        "scores",
+        "token_type",
+        "merges",
+    )
+
+
+def _main_type(reader: GGUFReader) -> str:
+    """The quantized type holding the most weights of the file's matrices, else its float
+    type holding the most."""
+    counts: dict[str, int] = {}
+    for t in reader.tensors:
+        if len(t.shape) >= 2:
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + int(t.n_elements)
+    quantized = {k: v for k, v in counts.items() if k not in FLOAT_TYPES}
+    pool = quantized or counts
+    return max(pool, key=lambda k: pool[k]) if pool else "F32"
+
+
+def _fill_config(
+    config: PretrainedConfig, metadata: dict[str, Any], reader: GGUFReader, path: Path
+) -> None:
+    """What transformers' GGUF config leaves out: an MoE's expert width
+    (`{arch}.expert_feed_forward_length`), the rope scaling `{arch}.rope.scaling.type` (linear
+    or yarn) declares, and llama3's per-frequency divisors, stored as the tensor rope_freqs.weight
+    (kept as rope `frequency_factors`, which llama.cpp divides by)."""
+    arch = metadata.get("general.architecture")
+    expert_width = metadata.get(f"{arch}.expert_feed_forward_length")
+    if expert_width and hasattr(config, "moe_intermediate_size"):
+        config.moe_intermediate_size = int(expert_width)
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    kind = metadata.get(f"{arch}.rope.scaling.type")
+    factor = metadata.get(f"{arch}.rope.scaling.factor")
+    if kind in ("linear", "yarn") and factor:
+        params.update(rope_type=kind, factor=float(factor))
+        original = metadata.get(f"{arch}.rope.scaling.original_context_length")
+        if kind == "yarn" and original:
+            params["original_max_position_embeddings"] = int(original)
+    elif kind not in (None, "none"):
+        raise ValueError(f"{path}: {arch}.rope.scaling.type={kind!r} is not supported")
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:
+        factors = dequantize(freqs.data, freqs.tensor_type).astype(np.float32).reshape(-1)
+        params["frequency_factors"] = [float(f) for f in factors]
+    config.rope_parameters = params
