@@ -146,9 +146,8 @@ class CpuOps:
         """x [M, K] (float32, bf16 or fp16, any M >= 1) times an int8 / 4-bit weight packed by
         thermostat.models.quant; bias [n] or None. Returns [M, n] in x's dtype, each row the
         same bits whatever M is."""
-        zeros = weight.zeros if weight.zeros is not None else weight.packed[:0]
         y: torch.Tensor = self.module.linear_quant(
-            x, weight.packed, weight.scales, zeros, weight.out_features, weight.bits, bias
+            x, weight.packed, weight.out_features, weight.bits, bias
         )
         return y
 

@@ -722,37 +722,45 @@ torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, int64_t N,
 // ---------------------------------------------------------------- int8 / int4 linear
 //
 // Weights in blocks of 32 along K, per output: int8 (llama.cpp q8_0's arithmetic: w = d q,
-// q in [-127, 127]) or 4-bit (w = d (q - z), q in [0, 15], z an int8 zero point: GPTQ/AWQ's form,
-// which holds q4_0 too), d float16. Packed (in Python, thermostat/models/quant.py) per 16-column
-// block nb and K block kb:
-//   int8  [nb][kb][kq 8][n 16][4]  bytes q + 128 (unsigned); 512 bytes
-//   int4  [nb][kb][kq 4][n 16][4]  low nibble: K 4 kq + j, high nibble: K 16 + 4 kq + j; 256 bytes
-//   d     [nb][kb][n 16] float16;  z (int4)  [nb][kb][n 16] int8
+// q in [-128, 127]) or 4-bit (w = d (q - z), q in [0, 15], z an int8 zero point: GPTQ/AWQ's form,
+// which holds q4_0 too), d float16. Packed (in Python, thermostat/models/quant.py) as one record
+// per group g of 64 outputs (4 column blocks c of 16) and K block kb, records in (g, kb) order, so
+// a thread reads its weights as one sequential stream:
+//   d      64 float16                      128 bytes, [c][n]
+//   z      64 int8 (int4 only)             64 bytes, [c][n]
+//   int8   [kq 8][c 4][n 16][4] bytes q + 128 (unsigned)                          2048 bytes
+//   int4   [kq 4][c 4][n 16][4] low nibble: K 4 kq + j, high nibble: K 16 + 4 kq + j  1024 bytes
 // Activations are quantized per row and K block as q8_0 does (s = max|x| / 127, xq = round(x / s)
 // to nearest even), then vpdpbusd sums (unsigned weight byte) x (signed activation byte) four at a
 // time into int32, exactly. Per K block, in K order, for each output (z = 128 for int8's bytes):
 //   y += (d s) float(acc - z sum(xq))
 // The integer part is exact and the float part one fixed sequence per output, so a row's result
-// is the same bits whatever the rows batched with it. Register tiles: up to 4 rows x 2-4 column
-// blocks; every tile streams its weights once.
+// is the same bits whatever the rows batched with it. Register tiles: 1 row (M = 1) or 2 rows x
+// the group's 64 outputs.
+
+struct QuantLayout {
+  int64_t header, record;  // bytes of d (+ z) and of a whole record
+};
+
+inline QuantLayout quant_layout(int bits) {
+  return bits == 8 ? QuantLayout{128, 128 + 2048} : QuantLayout{192, 192 + 1024};
+}
 
 struct QuantizedActivations {
-  torch::Tensor q;    // [M, Kp] int8
-  torch::Tensor s;    // [M, KB] float: the block's scale
-  torch::Tensor sum;  // [M, KB] int32: sum of the block's q
+  std::vector<int8_t> q;     // [M, Kp]
+  std::vector<float> s;      // [M, KB]: the block's scale
+  std::vector<int32_t> sum;  // [M, KB]: sum of the block's q
 };
 
 template <typename T>
-QuantizedActivations quantize_activations(const torch::Tensor& x, int64_t KB) {
+void quantize_activations(const torch::Tensor& x, int64_t KB, QuantizedActivations& a) {
   const int64_t M = x.size(0), K = x.size(1), Kp = KB * 32;
-  QuantizedActivations a{torch::zeros({M, Kp}, at::kChar), torch::empty({M, KB}, at::kFloat),
-                         torch::empty({M, KB}, at::kInt)};
+  a.q.assign(M * Kp, 0);
+  a.s.resize(M * KB);
+  a.sum.resize(M * KB);
   const T* xp = x.data_ptr<T>();
-  int8_t* qp = a.q.data_ptr<int8_t>();
-  float* sp = a.s.data_ptr<float>();
-  int32_t* up = a.sum.data_ptr<int32_t>();
   const int64_t stride = x.stride(0);
-  at::parallel_for(0, M * KB, 64, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, M * KB, 256, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const int64_t m = i / KB, kb = i % KB, k0 = kb * 32;
       const T* row = xp + m * stride + k0;
@@ -776,35 +784,35 @@ QuantizedActivations quantize_activations(const torch::Tensor& x, int64_t KB) {
       for (int h = 0; h < 2; ++h) {
         const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(id)));  // nearest even
         sum += _mm512_reduce_add_epi32(q);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(qp + m * Kp + k0 + 16 * h), _mm512_cvtsepi32_epi8(q));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(a.q.data() + m * Kp + k0 + 16 * h),
+                         _mm512_cvtsepi32_epi8(q));
       }
-      sp[i] = d;
-      up[i] = sum;
+      a.s[i] = d;
+      a.sum[i] = sum;
     }
   });
-  return a;
 }
 
-template <int BITS, int R, int C, typename T>
-inline void quant_tile(const QuantizedActivations& a, const uint8_t* W, const c10::Half* D,
-                       const int8_t* Z, int64_t KB, const float* bias, T* y, int64_t N,
-                       int64_t m0, int64_t nb) {
-  constexpr int64_t kBlockBytes = BITS == 8 ? 512 : 256;
+// Rows [m0, m0 + R) x the 64 outputs of group g.
+template <int BITS, int R, typename T>
+inline void quant_tile(const QuantizedActivations& a, const uint8_t* W, int64_t KB,
+                       const float* bias, T* y, int64_t N, int64_t m0, int64_t g) {
+  constexpr QuantLayout L = BITS == 8 ? QuantLayout{128, 128 + 2048} : QuantLayout{192, 192 + 1024};
   const int64_t Kp = KB * 32;
-  const int8_t* xq = a.q.data_ptr<int8_t>();
-  const float* xs = a.s.data_ptr<float>();
-  const int32_t* xsum = a.sum.data_ptr<int32_t>();
-  __m512 out[R][C];
+  const int8_t* xq = a.q.data();
+  __m512 out[R][4];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[r][c] = _mm512_setzero_ps();
-  for (int64_t kb = 0; kb < KB; ++kb) {
-    __m512i acc[R][C];
+    for (int c = 0; c < 4; ++c) out[r][c] = _mm512_setzero_ps();
+  const uint8_t* rec = W + g * KB * L.record;
+  for (int64_t kb = 0; kb < KB; ++kb, rec += L.record) {
+    __m512i acc[R][4];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_si512();
+    const uint8_t* wp = rec + L.header;
     for (int kq = 0; kq < (BITS == 8 ? 8 : 4); ++kq) {
-      __m512i w[C], w_hi[C];
-      for (int c = 0; c < C; ++c) {
-        const uint8_t* p = W + ((nb + c) * KB + kb) * kBlockBytes + kq * 64;
+      __m512i w[4], w_hi[4];
+      for (int c = 0; c < 4; ++c) {
+        const uint8_t* p = wp + (kq * 4 + c) * 64;
         _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
         const __m512i raw = _mm512_loadu_si512(p);
         if (BITS == 8) {
@@ -820,98 +828,77 @@ inline void quant_tile(const QuantizedActivations& a, const uint8_t* W, const c1
         int32_t quad;
         std::memcpy(&quad, xr + kq * 4, sizeof(quad));
         const __m512i xb = _mm512_set1_epi32(quad);
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w[c], xb);
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w[c], xb);
         if (BITS == 4) {
           std::memcpy(&quad, xr + 16 + kq * 4, sizeof(quad));
           const __m512i xh = _mm512_set1_epi32(quad);
-          for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w_hi[c], xh);
+          for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w_hi[c], xh);
         }
       }
     }
-    for (int c = 0; c < C; ++c) {
-      const int64_t at = ((nb + c) * KB + kb) * 16;
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(D + at)));
+    for (int c = 0; c < 4; ++c) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + c * 32)));
       const __m512i z = BITS == 8 ? _mm512_set1_epi32(128)
-                                  : _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(Z + at)));
+                                  : _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 128 + c * 16)));
       for (int r = 0; r < R; ++r) {
         const int64_t j = (m0 + r) * KB + kb;
-        const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(xs[j]));
-        const __m512i fixed = _mm512_sub_epi32(acc[r][c], _mm512_mullo_epi32(z, _mm512_set1_epi32(xsum[j])));
+        const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(a.s[j]));
+        const __m512i fixed = _mm512_sub_epi32(acc[r][c], _mm512_mullo_epi32(z, _mm512_set1_epi32(a.sum[j])));
         out[r][c] = _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(fixed), out[r][c]);
       }
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) {
+    for (int c = 0; c < 4; ++c) {
       __m512 v = out[r][c];
-      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + (nb + c) * 16));
-      store_outputs(y + (m0 + r) * N, N, (nb + c) * 16, v);
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + g * 64 + c * 16));
+      store_outputs(y + (m0 + r) * N, N, g * 64 + c * 16, v);
     }
   }
 }
 
-template <int BITS, int C, typename T>
-inline void quant_rows(const QuantizedActivations& a, int64_t M, const uint8_t* W,
-                       const c10::Half* D, const int8_t* Z, int64_t KB, const float* bias,
-                       T* y, int64_t N, int64_t nb) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) quant_tile<BITS, 4, C>(a, W, D, Z, KB, bias, y, N, m, nb);
-  switch (M - m) {
-    case 3: quant_tile<BITS, 3, C>(a, W, D, Z, KB, bias, y, N, m, nb); break;
-    case 2: quant_tile<BITS, 2, C>(a, W, D, Z, KB, bias, y, N, m, nb); break;
-    case 1: quant_tile<BITS, 1, C>(a, W, D, Z, KB, bias, y, N, m, nb); break;
-    default: break;
-  }
-}
-
 template <int BITS, typename T>
-void linear_quant_impl(const torch::Tensor& x, const torch::Tensor& packed,
-                       const torch::Tensor& scales, const torch::Tensor& zeros, const float* bias,
+void linear_quant_impl(const torch::Tensor& x, const torch::Tensor& packed, const float* bias,
                        torch::Tensor& y, int64_t N) {
-  const int64_t M = x.size(0), NB = packed.size(0), KB = packed.size(1);
-  const QuantizedActivations a = quantize_activations<T>(x, KB);
+  const int64_t M = x.size(0), G = packed.size(0), KB = packed.size(1);
+  static thread_local QuantizedActivations buffer;  // the calling thread's, reused per call
+  QuantizedActivations& a = buffer;  // a reference the workers below capture
+  quantize_activations<T>(x, KB, a);
   const auto* wp = packed.data_ptr<uint8_t>();
-  const auto* dp = scales.data_ptr<c10::Half>();
-  const auto* zp = BITS == 4 ? zeros.data_ptr<int8_t>() : nullptr;
   T* yp = y.data_ptr<T>();
-  const int64_t C = M == 1 ? 4 : 2;
-  at::parallel_for(0, NB / C, 1, [&](int64_t b, int64_t e) {
-    for (int64_t u = b; u < e; ++u) {
-      if (C == 4) quant_rows<BITS, 4>(a, M, wp, dp, zp, KB, bias, yp, N, u * 4);
-      else quant_rows<BITS, 2>(a, M, wp, dp, zp, KB, bias, yp, N, u * 2);
+  at::parallel_for(0, G, 1, [&](int64_t b, int64_t e) {
+    for (int64_t g = b; g < e; ++g) {
+      int64_t m = 0;
+      if (M == 1) {
+        quant_tile<BITS, 1>(a, wp, KB, bias, yp, N, 0, g);
+        continue;
+      }
+      for (; m + 2 <= M; m += 2) quant_tile<BITS, 2>(a, wp, KB, bias, yp, N, m, g);
+      if (m < M) quant_tile<BITS, 1>(a, wp, KB, bias, yp, N, m, g);
     }
   });
 }
 
 // y [M, N] = x [M, K] W^T (+ bias), W quantized (bits 8 or 4) and packed as above; x in float32,
 // bfloat16 or float16 (y in x's dtype). Any M >= 1, the same bits per row.
-torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
-                           torch::Tensor zeros, int64_t N, int64_t bits,
+torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t bits,
                            c10::optional<torch::Tensor> bias) {
   TORCH_CHECK_VALUE(bits == 8 || bits == 4, "linear_quant: bits must be 8 or 4");
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(0) >= 1 && x.stride(1) == 1,
                     "linear_quant: x must be [M, K] with unit stride, M >= 1");
-  const int64_t block_bytes = bits == 8 ? 512 : 256;
+  const QuantLayout layout = quant_layout(static_cast<int>(bits));
   TORCH_CHECK_VALUE(packed.dim() == 3 && packed.is_contiguous() &&
-                        packed.scalar_type() == at::kByte && packed.size(2) == block_bytes &&
-                        packed.size(0) % 4 == 0,
+                        packed.scalar_type() == at::kByte && packed.size(2) == layout.record,
                     "linear_quant: weight must be packed int", bits);
-  const int64_t NB = packed.size(0), KB = packed.size(1), K = x.size(1);
-  TORCH_CHECK_VALUE(K <= KB * 32 && K > KB * 32 - 32 && N <= NB * 16 && N > NB * 16 - 64,
+  const int64_t G = packed.size(0), KB = packed.size(1), K = x.size(1);
+  TORCH_CHECK_VALUE(K <= KB * 32 && K > KB * 32 - 32 && N <= G * 64 && N > G * 64 - 64,
                     "linear_quant: x or N does not match the packed weight");
-  auto check_scales = [&](const torch::Tensor& t, at::ScalarType type, const char* what) {
-    TORCH_CHECK_VALUE(t.scalar_type() == type && t.is_contiguous() && t.dim() == 3 &&
-                          t.size(0) == NB && t.size(1) == KB && t.size(2) == 16,
-                      "linear_quant: ", what, " must be [", NB, ", ", KB, ", 16] ", type);
-  };
-  check_scales(scales, at::kHalf, "scales");
-  if (bits == 4) check_scales(zeros, at::kChar, "zeros");
-  const torch::Tensor bias_f = float_bias(bias, N, NB * 16, "linear_quant");
+  const torch::Tensor bias_f = float_bias(bias, N, G * 64, "linear_quant");
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto y = torch::empty({x.size(0), N}, x.options());
   return THERMOSTAT_DISPATCH_FLOAT(x.scalar_type(), "linear_quant", [&] {
-    if (bits == 8) linear_quant_impl<8, scalar_t>(x, packed, scales, zeros, bp, y, N);
-    else linear_quant_impl<4, scalar_t>(x, packed, scales, zeros, bp, y, N);
+    if (bits == 8) linear_quant_impl<8, scalar_t>(x, packed, bp, y, N);
+    else linear_quant_impl<4, scalar_t>(x, packed, bp, y, N);
     return y;
   });
 }

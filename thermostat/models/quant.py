@@ -108,17 +108,21 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return q.reshape(weight.shape).to(torch.uint8), span.half(), z.to(torch.int8)
 
 
+HEADER = {8: 128, 4: 192}  # bytes of d (64 float16) and z (64 int8, int4 only) per record
+BODY = {8: 2048, 4: 1024}  # bytes of one K block of 64 outputs' weights
+
+
 @dataclass
 class QuantizedWeight:
     """One linear layer's weight [out_features, in_features] in int8 or int4, packed for the
-    kernel (N padded to a multiple of 64 with zero rows, K to a multiple of 32 with zeros)."""
+    kernel: one record per group of 64 outputs and block of 32 along K (N padded to a multiple of
+    64 with zero rows, K to a multiple of 32 with zeros); `linear_quant`'s comment gives the
+    record's layout."""
 
     bits: Bits
     out_features: int
     in_features: int
-    packed: torch.Tensor  # uint8 [N/16, K/32, 512 (int8) | 256 (int4)]
-    scales: torch.Tensor  # float16 [N/16, K/32, 16]: d
-    zeros: torch.Tensor | None  # int8 [N/16, K/32, 16]: z (int4), None (int8: z = 0)
+    packed: torch.Tensor  # uint8 [N / 64, K / 32, HEADER + BODY]
 
     @classmethod
     def pack(
@@ -131,40 +135,46 @@ class QuantizedWeight:
         kb = (k + BLOCK - 1) // BLOCK
         if d.shape != (n, kb) or (z is not None and z.shape != (n, kb)):
             raise ValueError(f"scales must be [{n}, {kb}] for a [{n}, {k}] weight")
-        nb = (n + 63) // 64 * 4
-        full = torch.zeros(nb * 16, kb * BLOCK, dtype=torch.uint8)
+        groups = (n + 63) // 64
+        full = torch.zeros(groups * 64, kb * BLOCK, dtype=torch.uint8)
         if bits == 8:
             full[:n, :k] = (q.to(torch.int16) + 128).to(torch.uint8)
             full[n:] = 128  # padded rows: q = 0
             full[:, k:] = 128
-            tiles = full.view(nb, 16, kb, 8, 4).permute(0, 2, 3, 1, 4)
+            # [g, c, n, kb, kq, j] -> [g, kb, kq, c, n, j]
+            body = full.view(groups, 4, 16, kb, 8, 4).permute(0, 3, 4, 1, 2, 5)
         else:
             full[:n, :k] = q
-            nibbles = full.view(nb, 16, kb, 2, 4, 4)  # [.., half of the block, kq, j]
-            joined = nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)
-            tiles = joined.permute(0, 2, 3, 1, 4)
-        return cls(
-            bits=bits,
-            out_features=n,
-            in_features=k,
-            packed=tiles.reshape(nb, kb, -1).contiguous(),
-            scales=_block_major(d, nb),
-            zeros=None if z is None else _block_major(z, nb),
-        )
+            nibbles = full.view(groups, 4, 16, kb, 2, 4, 4)  # [g, c, n, kb, half, kq, j]
+            joined = nibbles[:, :, :, :, 0] | (nibbles[:, :, :, :, 1] << 4)
+            body = joined.permute(0, 3, 4, 1, 2, 5)
+        parts = [_group_major(d, groups).view(torch.uint8)]
+        if z is not None:
+            parts.append(_group_major(z, groups).view(torch.uint8))
+        parts.append(body.reshape(groups, kb, -1))
+        return cls(bits, n, k, torch.cat(parts, dim=-1).contiguous())
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The inverse of `pack`: (q, d, z) with q [N, K / 32 * 32] (K's padding kept)."""
-        nb, kb, _ = self.packed.shape
-        n = self.out_features
+        groups, kb, _ = self.packed.shape
+        n, header = self.out_features, HEADER[self.bits]
+        body = self.packed[..., header:]
         if self.bits == 8:
-            q = self.packed.view(nb, kb, 8, 16, 4).permute(0, 3, 1, 2, 4).reshape(nb * 16, -1)
-            q = (q.to(torch.int16) - 128).to(torch.int8)
+            q = body.reshape(groups, kb, 8, 4, 16, 4).permute(0, 3, 4, 1, 2, 5)
+            q = (q.reshape(groups * 64, -1).to(torch.int16) - 128).to(torch.int8)
         else:
-            b = self.packed.view(nb, kb, 4, 16, 4)
-            both = torch.stack([b & 15, b >> 4], dim=2)  # [nb, kb, half, kq, n, j]
-            q = both.permute(0, 4, 1, 2, 3, 5).reshape(nb * 16, -1)
-        zeros = None if self.zeros is None else _row_major(self.zeros, n)
-        return q[:n], _row_major(self.scales, n), zeros
+            b = body.reshape(groups, kb, 4, 4, 16, 4)  # [g, kb, kq, c, n, j]
+            both = torch.stack([b & 15, b >> 4], dim=2)  # [g, kb, half, kq, c, n, j]
+            q = both.permute(0, 4, 5, 1, 2, 3, 6).reshape(groups * 64, -1)
+        scales, zeros = self._header()
+        z = None if zeros is None else _row_major(zeros, n)
+        return q[:n], _row_major(scales, n), z
+
+    def _header(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(d [G, KB, 64] float16, z [G, KB, 64] int8 or None), outputs in [c][n] order."""
+        d = self.packed[..., :128].contiguous().view(torch.float16)
+        z = None if self.bits == 8 else self.packed[..., 128:192].contiguous().view(torch.int8)
+        return d, z
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [N, K] as the kernel's arithmetic sees it."""
@@ -178,38 +188,41 @@ class QuantizedWeight:
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` (any shape) of the weight, dequantized: [*ids.shape, K] in `dtype` (an
         embedding lookup)."""
-        nb, kb, _ = self.packed.shape
+        groups, kb, _ = self.packed.shape
         flat = ids.reshape(-1)
-        blk, n = flat // 16, flat % 16
-        d = self.scales[blk, :, n].float()[..., None]  # [T, KB, 1]
+        g, c, n = flat // 64, flat % 64 // 16, flat % 16
+        d_all, z_all = self._header()
+        d = d_all.view(groups, kb, 4, 16)[g, :, c, n].float()[..., None]  # [T, KB, 1]
+        body = self.packed[..., HEADER[self.bits] :]
         if self.bits == 8:
-            tiles = self.packed.view(nb, kb, 8, 16, 4)
-            q = tiles[blk, :, :, n].reshape(len(flat), kb, BLOCK).to(torch.int16) - 128
+            tiles = body.reshape(groups, kb, 8, 4, 16, 4)
+            q = tiles[g, :, :, c, n].reshape(len(flat), kb, BLOCK).to(torch.int16) - 128
             w = q.float() * d
         else:
-            tiles = self.packed.view(nb, kb, 4, 16, 4)
-            b = tiles[blk, :, :, n]  # [T, KB, kq, j]
+            tiles = body.reshape(groups, kb, 4, 4, 16, 4)
+            b = tiles[g, :, :, c, n]  # [T, KB, kq, j]
             q = torch.cat([b & 15, b >> 4], dim=2).reshape(len(flat), kb, BLOCK)
-            assert self.zeros is not None
-            w = (q.float() - self.zeros[blk, :, n].float()[..., None]) * d
+            assert z_all is not None
+            z = z_all.view(groups, kb, 4, 16)[g, :, c, n].float()[..., None]
+            w = (q.float() - z) * d
         out = w.reshape(len(flat), -1)[:, : self.in_features].to(dtype)
         return out.reshape(*ids.shape, self.in_features)
 
     @property
     def nbytes(self) -> int:
         """Bytes held (the padding included)."""
-        extra = 0 if self.zeros is None else self.zeros.nbytes
-        return self.packed.nbytes + self.scales.nbytes + extra
+        return self.packed.nbytes
 
 
-def _block_major(t: torch.Tensor, nb: int) -> torch.Tensor:
-    """[N, KB] -> [nb, KB, 16] (rows padded with zeros)."""
-    full = torch.zeros(nb * 16, t.shape[1], dtype=t.dtype)
+def _group_major(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """[N, KB] -> [groups, KB, 64] (rows padded with zeros)."""
+    full = torch.zeros(groups * 64, t.shape[1], dtype=t.dtype)
     full[: t.shape[0]] = t
-    return full.view(nb, 16, -1).permute(0, 2, 1).contiguous()
+    return full.view(groups, 64, -1).permute(0, 2, 1).contiguous()
 
 
 def _row_major(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[groups, KB, 64] -> [N, KB]."""
     return t.permute(0, 2, 1).reshape(-1, t.shape[1])[:n]
 
 

@@ -93,7 +93,7 @@ def weight_bytes(model: nn.Module) -> int:
             tensors.append(module.packed)
         if isinstance(module, (QuantLinear, QuantEmbedding)):
             w = module.weight
-            tensors += [w.packed, w.scales] + ([] if w.zeros is None else [w.zeros])
+            tensors.append(w.packed)
         if isinstance(module, (PackedLinear, QuantLinear)) and module.bias is not None:
             tensors.append(module.bias)
         for t in tensors:  # by identity: oneDNN's packed tensors have no data pointer
