@@ -735,8 +735,8 @@ torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, int64_t N,
 // time into int32, exactly. Per K block, in K order, for each output (z = 128 for int8's bytes):
 //   y += (d s) float(acc - z sum(xq))
 // The integer part is exact and the float part one fixed sequence per output, so a row's result
-// is the same bits whatever the rows batched with it. Register tiles: 1 row (M = 1) or 2 rows x
-// the group's 64 outputs.
+// is the same bits whatever the rows batched with it. Tiles: up to 4 rows x the group's 64
+// outputs, K blocks outermost (a record is read from memory once per call).
 
 struct QuantLayout {
   int64_t header, record;  // bytes of d (+ z) and of a whole record
@@ -793,66 +793,83 @@ void quantize_activations(const torch::Tensor& x, int64_t KB, QuantizedActivatio
   });
 }
 
-// Rows [m0, m0 + R) x the 64 outputs of group g.
-template <int BITS, int R, typename T>
-inline void quant_tile(const QuantizedActivations& a, const uint8_t* W, int64_t KB,
-                       const float* bias, T* y, int64_t N, int64_t m0, int64_t g) {
+// Rows [m0, m0 + R) x the 64 outputs of group g, K block kb (one record): the block's integer
+// dot products in registers, then its contribution added to the running float sums of those rows
+// (`sums`, [row][64] in L1: every row tile reads the record while it is still in L1).
+template <int BITS, int R>
+inline void quant_block(const QuantizedActivations& a, const uint8_t* rec, int64_t KB,
+                        int64_t kb, int64_t m0, float* sums) {
   constexpr QuantLayout L = BITS == 8 ? QuantLayout{128, 128 + 2048} : QuantLayout{192, 192 + 1024};
   const int64_t Kp = KB * 32;
-  const int8_t* xq = a.q.data();
-  __m512 out[R][4];
+  __m512i acc[R][4];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) out[r][c] = _mm512_setzero_ps();
-  const uint8_t* rec = W + g * KB * L.record;
-  for (int64_t kb = 0; kb < KB; ++kb, rec += L.record) {
-    __m512i acc[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_si512();
-    const uint8_t* wp = rec + L.header;
-    for (int kq = 0; kq < (BITS == 8 ? 8 : 4); ++kq) {
-      __m512i w[4], w_hi[4];
-      for (int c = 0; c < 4; ++c) {
-        const uint8_t* p = wp + (kq * 4 + c) * 64;
-        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
-        const __m512i raw = _mm512_loadu_si512(p);
-        if (BITS == 8) {
-          w[c] = raw;
-        } else {
-          const __m512i low4 = _mm512_set1_epi8(0x0F);
-          w[c] = _mm512_and_si512(raw, low4);
-          w_hi[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xr = xq + (m0 + r) * Kp + kb * 32;
-        int32_t quad;
-        std::memcpy(&quad, xr + kq * 4, sizeof(quad));
-        const __m512i xb = _mm512_set1_epi32(quad);
-        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w[c], xb);
-        if (BITS == 4) {
-          std::memcpy(&quad, xr + 16 + kq * 4, sizeof(quad));
-          const __m512i xh = _mm512_set1_epi32(quad);
-          for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w_hi[c], xh);
-        }
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_si512();
+  const uint8_t* wp = rec + L.header;
+  for (int kq = 0; kq < (BITS == 8 ? 8 : 4); ++kq) {
+    __m512i w[4], w_hi[4];
+    for (int c = 0; c < 4; ++c) {
+      const uint8_t* p = wp + (kq * 4 + c) * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+      const __m512i raw = _mm512_loadu_si512(p);
+      if (BITS == 8) {
+        w[c] = raw;
+      } else {
+        const __m512i low4 = _mm512_set1_epi8(0x0F);
+        w[c] = _mm512_and_si512(raw, low4);
+        w_hi[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
       }
     }
-    for (int c = 0; c < 4; ++c) {
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + c * 32)));
-      const __m512i z = BITS == 8 ? _mm512_set1_epi32(128)
-                                  : _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 128 + c * 16)));
-      for (int r = 0; r < R; ++r) {
-        const int64_t j = (m0 + r) * KB + kb;
-        const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(a.s[j]));
-        const __m512i fixed = _mm512_sub_epi32(acc[r][c], _mm512_mullo_epi32(z, _mm512_set1_epi32(a.sum[j])));
-        out[r][c] = _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(fixed), out[r][c]);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xr = a.q.data() + (m0 + r) * Kp + kb * 32;
+      int32_t quad;
+      std::memcpy(&quad, xr + kq * 4, sizeof(quad));
+      const __m512i xb = _mm512_set1_epi32(quad);
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w[c], xb);
+      if (BITS == 4) {
+        std::memcpy(&quad, xr + 16 + kq * 4, sizeof(quad));
+        const __m512i xh = _mm512_set1_epi32(quad);
+        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w_hi[c], xh);
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
+  for (int c = 0; c < 4; ++c) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + c * 32)));
+    const __m512i z = BITS == 8 ? _mm512_set1_epi32(128)
+                                : _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 128 + c * 16)));
+    for (int r = 0; r < R; ++r) {
+      const int64_t j = (m0 + r) * KB + kb;
+      float* at = sums + (m0 + r) * 64 + c * 16;
+      const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(a.s[j]));
+      const __m512i fixed = _mm512_sub_epi32(acc[r][c], _mm512_mullo_epi32(z, _mm512_set1_epi32(a.sum[j])));
+      _mm512_storeu_ps(at, _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(fixed), _mm512_loadu_ps(at)));
+    }
+  }
+}
+
+// Every row x the 64 outputs of group g: K blocks in order, row tiles of 4 inside each.
+template <int BITS, typename T>
+void quant_group(const QuantizedActivations& a, int64_t M, const uint8_t* W, int64_t KB,
+                 const float* bias, T* y, int64_t N, int64_t g, std::vector<float>& sums) {
+  constexpr QuantLayout L = BITS == 8 ? QuantLayout{128, 128 + 2048} : QuantLayout{192, 192 + 1024};
+  const uint8_t* rec0 = W + g * KB * L.record;
+  sums.assign(M * 64, 0.0f);  // [M][c][16]
+  float* sp = sums.data();
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const uint8_t* rec = rec0 + kb * L.record;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) quant_block<BITS, 4>(a, rec, KB, kb, m, sp);
+    switch (M - m) {
+      case 3: quant_block<BITS, 3>(a, rec, KB, kb, m, sp); break;
+      case 2: quant_block<BITS, 2>(a, rec, KB, kb, m, sp); break;
+      case 1: quant_block<BITS, 1>(a, rec, KB, kb, m, sp); break;
+      default: break;
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
     for (int c = 0; c < 4; ++c) {
-      __m512 v = out[r][c];
+      __m512 v = _mm512_loadu_ps(sp + m * 64 + c * 16);
       if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + g * 64 + c * 16));
-      store_outputs(y + (m0 + r) * N, N, g * 64 + c * 16, v);
+      store_outputs(y + m * N, N, g * 64 + c * 16, v);
     }
   }
 }
@@ -867,15 +884,8 @@ void linear_quant_impl(const torch::Tensor& x, const torch::Tensor& packed, cons
   const auto* wp = packed.data_ptr<uint8_t>();
   T* yp = y.data_ptr<T>();
   at::parallel_for(0, G, 1, [&](int64_t b, int64_t e) {
-    for (int64_t g = b; g < e; ++g) {
-      int64_t m = 0;
-      if (M == 1) {
-        quant_tile<BITS, 1>(a, wp, KB, bias, yp, N, 0, g);
-        continue;
-      }
-      for (; m + 2 <= M; m += 2) quant_tile<BITS, 2>(a, wp, KB, bias, yp, N, m, g);
-      if (m < M) quant_tile<BITS, 1>(a, wp, KB, bias, yp, N, m, g);
-    }
+    std::vector<float> sums;
+    for (int64_t g = b; g < e; ++g) quant_group<BITS>(a, M, wp, KB, bias, yp, N, g, sums);
   });
 }
 
