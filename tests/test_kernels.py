@@ -173,8 +173,8 @@ def test_decode_attention_refuses_bad_tables():
                              torch.tensor([3]), 1.0, 0)  # fmt: skip
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 17, 33, 70])
-@pytest.mark.parametrize("k,n", [(576, 960), (100, 30), (33, 7), (1536, 130)])
+@pytest.mark.parametrize("rows", [1, 3, 17, 70])
+@pytest.mark.parametrize("k,n", [(576, 960), (33, 7), (1536, 130)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_vnni(rows, k, n, bias):
     """Any number of rows (AMX tiles where the CPU has them, else vdpbf16ps register tiles)."""
@@ -217,8 +217,15 @@ def test_linear_vnni_refuses_bad_input():
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,k,n", [(1, 576, 960), (3, 100, 30), (6, 33, 7), (37, 1536, 130)])
+@pytest.mark.parametrize(
+    "dtype,rows,k,n",
+    [
+        (torch.bfloat16, 1, 576, 960),
+        (torch.float32, 3, 100, 30),
+        (torch.float16, 6, 33, 7),
+        (torch.bfloat16, 37, 1536, 130),
+    ],
+)
 def test_linear_quant_matches_its_reference(fmt, dtype, rows, k, n):
     """The kernel computes quant.reference_linear's arithmetic (within the fused
     multiply-adds' last bits and the output dtype's rounding) for every row count."""

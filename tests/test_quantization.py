@@ -108,6 +108,17 @@ def test_batch_invariance_on_the_smollm2_shape(tmp_path):
 
 
 @needs_kernels
+def test_moe_experts_are_batch_invariant_in_bf16_and_count_in_the_weight_bytes(tmp_path):
+    """bf16 experts are packed per expert like every dense layer (one arithmetic at any batch);
+    quantized, their bytes are what the weights take."""
+    path = write_model(tmp_path / "moe", "qwen3_moe", dtype=torch.bfloat16, initializer_range=0.02)
+    bf16 = LLM(str(path))
+    assert_batch_invariant(bf16, PROMPTS[:4])
+    int8 = LLM(str(path), quantization="int8")
+    assert 0.4 < int8.engine.loaded.weight_bytes / bf16.engine.loaded.weight_bytes < 0.6
+
+
+@needs_kernels
 def test_int8_demo_stays_close_to_bf16_and_halves_the_weights():
     bf16, int8 = LLM("demo"), LLM("demo", quantization="int8")
     assert int8.engine.loaded.weight_format == "int8"
@@ -142,7 +153,6 @@ def prompt_distributions(llm: LLM, prompts: list[list[int]], vocab: int) -> torc
     "kind,formats",
     [
         ("llama-linear-rope-untied", ("int8", "int4")),
-        ("qwen3_moe", ("int8",)),
         ("deepseek_v3", ("int8", "int4")),
         ("deepseek_v4", ("int8",)),
     ],
@@ -164,6 +174,13 @@ def test_every_family_serves_quantized_close_to_its_dtype(kind, formats, tmp_pat
 def test_int8_with_fp8_kv_cache_and_prefix_caching():
     llm = LLM("demo", quantization="int8", kv_cache_dtype="fp8_e4m3")
     assert_batch_invariant(llm, DEMO_PROMPTS[:4])
+
+
+def test_the_cli_choices_are_the_formats():
+    from thermostat.engine.config import QUANTIZATIONS
+    from thermostat.models.quant import FORMATS
+
+    assert tuple(FORMATS) == QUANTIZATIONS
 
 
 def test_quantization_is_refused_clearly():

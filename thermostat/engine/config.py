@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+QUANTIZATIONS = ("int8", "int4")  # weight formats `quantization` takes (models.quant.FORMATS)
+
 
 @dataclass(frozen=True)
 class EngineConfig:

@@ -28,11 +28,11 @@ class PackedLinear(nn.Module):
     """y = x W^T + b with W packed once: in the kernels' VNNI layout when they are there, else
     in oneDNN's blocked layout."""
 
-    def __init__(self, linear: nn.Linear, ops: CpuOps | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: CpuOps | None) -> None:
         super().__init__()
-        weight = linear.weight.detach()
+        weight = weight.detach()
         self.out_features, self.in_features = weight.shape
-        self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.bias = None if bias is None else bias.detach().clone()
         # The one choice of this op (the table in thermostat.kernels).
         self.ops = ops
         if ops is None:
@@ -81,15 +81,19 @@ class PackedEmbedding(nn.Module):
 
 
 def pack_linears(module: nn.Module, ops: CpuOps | None = None) -> int:
-    """Replace every nn.Linear under `module` by a PackedLinear when the dtype allows it.
-    Returns how many were packed."""
+    """Replace every nn.Linear under `module` by a PackedLinear when the dtype allows it, and let
+    modules that pack themselves (MoE experts: `pack_with`) do so. Returns how many linears
+    were packed."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear) and packing_available(child.weight.dtype):
-            setattr(module, name, PackedLinear(child, ops))
+            setattr(module, name, PackedLinear(child.weight, child.bias, ops))
             count += 1
         else:
             count += pack_linears(child, ops)
+            pack_with = getattr(child, "pack_with", None)
+            if pack_with is not None:
+                pack_with(ops)
     return count
 
 

@@ -32,6 +32,7 @@ per-expert names to slices of the fused parameters.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -41,7 +42,7 @@ from torch import nn
 
 from thermostat.kernels import CpuOps
 from thermostat.models.layers import Float32Module, gated_activation
-from thermostat.models.linear import QuantLinear
+from thermostat.models.linear import PackedLinear, QuantLinear
 from thermostat.models.quant import quantize
 from thermostat.models.weights import Index
 
@@ -125,26 +126,36 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, hidden_size))
         self.down_proj = nn.Parameter(torch.zeros(e, hidden_size, i))
         self._act = gated_activation(i, moe.swiglu_limit, ops)
-        self.ops = ops
-        # per expert (gate_up, down) in int8 / int4 once `quantize` ran; None: the float params
-        self.quantized: list[tuple[QuantLinear, QuantLinear]] | None = None
+        self.num_experts = e
+        # once packed (bf16 with the kernels) or quantized: per expert [gate_up, down] as
+        # PackedLinear / QuantLinear, the fused float parameters dropped; None: those parameters
+        self.per_expert: nn.ModuleList | None = None
+
+    def pack_with(self, ops: CpuOps | None) -> None:
+        """bf16 with the kernels: each expert's projections as PackedLinears (one arithmetic
+        for any batch, as every dense layer); otherwise the float parameters stay."""
+        if ops is None or self.gate_up_proj.dtype != torch.bfloat16:
+            return
+        self._split(lambda w: PackedLinear(w, None, ops))
 
     def quantize(self, fmt: str, ops: CpuOps) -> None:
-        """Every expert's two projections in `fmt`; the float parameters are dropped."""
-        self.quantized = [
-            (
-                QuantLinear(quantize(self.gate_up_proj[e].detach(), fmt), None, ops),
-                QuantLinear(quantize(self.down_proj[e].detach(), fmt), None, ops),
-            )
-            for e in range(self.gate_up_proj.shape[0])
-        ]
-        self.num_experts = self.gate_up_proj.shape[0]
+        """Every expert's two projections in `fmt` (packed experts are left to the caller's
+        pass over the model's PackedLinears)."""
+        if self.per_expert is None:
+            self._split(lambda w: QuantLinear(quantize(w, fmt), None, ops))
+
+    def _split(self, make: Callable[[torch.Tensor], nn.Module]) -> None:
+        gate_up, down = self.gate_up_proj.detach(), self.down_proj.detach()
+        self.per_expert = nn.ModuleList(
+            nn.ModuleList([make(gate_up[e]), make(down[e])]) for e in range(self.num_experts)
+        )
         del self.gate_up_proj, self.down_proj
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
-            gate_up, down = self.quantized[e]
-            y: torch.Tensor = down(self._act(gate_up(x)))
+        if self.per_expert is not None:
+            pair = self.per_expert[e]
+            assert isinstance(pair, nn.ModuleList)
+            y: torch.Tensor = pair[1](self._act(pair[0](x)))
             return y
         return F.linear(self._act(F.linear(x, self.gate_up_proj[e])), self.down_proj[e])
 
@@ -153,8 +164,7 @@ class Experts(nn.Module):
         flat = ids.flatten()
         order = flat.argsort(stable=True)  # pairs grouped by expert, tokens in order
         rows = order // ids.shape[1]
-        experts = self.num_experts if self.quantized else self.gate_up_proj.shape[0]
-        counts = torch.bincount(flat, minlength=experts).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         xs = x.index_select(0, rows)
         ys = torch.empty_like(xs)
         start = 0

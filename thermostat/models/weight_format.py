@@ -36,8 +36,6 @@ from thermostat.models.linear import (
 from thermostat.models.moe import Experts
 from thermostat.models.quant import FORMATS, quantize
 
-QUANTIZATIONS = tuple(FORMATS)  # what `--quantization` takes
-
 
 def check_quantization(name: str | None) -> None:
     if name is not None and name not in FORMATS:

@@ -18,8 +18,7 @@ from thermostat.api.arguments import (
 from thermostat.api.config import edge_options
 from thermostat.api.lifecycle import DrainingServer, serve_until_stopped
 from thermostat.api.tool_parsers import PARSERS
-from thermostat.engine.config import EngineConfig
-from thermostat.models.weight_format import QUANTIZATIONS
+from thermostat.engine.config import QUANTIZATIONS, EngineConfig
 from thermostat.server.config import ServerConfig
 
 HELP = "serve a model over the OpenAI API"
