@@ -59,7 +59,19 @@ def test_stop_on_loop_ends_greedy_loops_early():
 def test_diagnose_names_greedy_decoding(tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS + ["It was late in the evening when"]) + "\n")
-    code = main(["diagnose", "--model", "demo", "--prompts", str(prompts), "--max-tokens", "200"])
+    code = main(
+        [
+            "diagnose",
+            "--model",
+            "demo",
+            "--prompts",
+            str(prompts),
+            "--max-tokens",
+            "200",
+            "--weights",
+            "int8",
+        ]
+    )  # fmt: skip  (int8 weights: the case's cause survives quantization, and int8 is exercised)
     out = capsys.readouterr().out
     assert code == 1
     assert "cause: greedy decoding" in " ".join(out.split())
