@@ -52,16 +52,22 @@ def engine(model_dir, **config) -> LLMEngine:
     return LLM(str(model_dir), **config).engine
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
-@pytest.mark.parametrize(
-    "params",
+GREEDY_12 = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.mark.parametrize(  # greedy with both caches; the other cases alternate (suite time)
+    "params,kv_cache_dtype",
     [
-        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-        SamplingParams(temperature=0.8, top_p=0.9, seed=7, n=3, max_tokens=12, ignore_eos=True),
-        SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2, logprobs=1),
-        SamplingParams(temperature=0.0, max_tokens=1),
+        (GREEDY_12, "auto"),
+        (GREEDY_12, "fp8_e4m3"),
+        (
+            SamplingParams(temperature=0.8, top_p=0.9, seed=7, n=3, max_tokens=12, ignore_eos=True),
+            "fp8_e4m3",
+        ),
+        (SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2, logprobs=1), "auto"),
+        (SamplingParams(temperature=0.0, max_tokens=1), "fp8_e4m3"),
     ],
-    ids=["greedy", "seeded-n3", "logprobs", "one-token"],
+    ids=["greedy-auto", "greedy-fp8", "seeded-n3-fp8", "logprobs-auto", "one-token-fp8"],
 )
 def test_handoff_continues_as_one_engine_would(model_dir, kv_cache_dtype, params):
     single = engine(model_dir, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
