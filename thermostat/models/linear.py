@@ -136,14 +136,20 @@ def weight_of(module: nn.Module) -> torch.Tensor:
     return weight.detach()
 
 
+def quantized_linear(linear: nn.Module, fmt: str, ops: CpuOps) -> QuantLinear:
+    """An nn.Linear or PackedLinear (weight and bias) as a QuantLinear in `fmt`."""
+    source = linear.bias
+    bias = source.detach().clone() if isinstance(source, torch.Tensor) else None
+    return QuantLinear(quantize(weight_of(linear), fmt), bias, ops)
+
+
 def quantize_linears(module: nn.Module, fmt: str, ops: CpuOps, skip: tuple[type, ...]) -> int:
     """Replace every nn.Linear / PackedLinear under `module` (not inside a `skip` module, e.g.
     the float32 router) by a QuantLinear in `fmt`. Returns how many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, (nn.Linear, PackedLinear)):
-            bias = child.bias.detach().clone() if child.bias is not None else None
-            setattr(module, name, QuantLinear(quantize(weight_of(child), fmt), bias, ops))
+            setattr(module, name, quantized_linear(child, fmt, ops))
             count += 1
         elif not isinstance(child, skip):
             count += quantize_linears(child, fmt, ops, skip)

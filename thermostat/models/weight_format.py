@@ -32,6 +32,7 @@ from thermostat.models.linear import (
     QuantEmbedding,
     QuantLinear,
     quantize_linears,
+    quantized_linear,
 )
 from thermostat.models.moe import Experts
 from thermostat.models.quant import FORMATS, quantize
@@ -72,9 +73,7 @@ def quantize_model(
         if tied:
             model.lm_head = QuantLinear(table, None, ops)
     if head is not None and not tied:
-        bias = head.bias.detach().clone() if head.bias is not None else None
-        weight = head.float_weight() if isinstance(head, PackedLinear) else head.weight.detach()
-        model.lm_head = QuantLinear(quantize(weight, "int8"), bias, ops)
+        model.lm_head = quantized_linear(head, "int8", ops)
     for module in model.modules():
         if isinstance(module, Experts):
             module.quantize(fmt, ops)
