@@ -141,3 +141,18 @@ def test_json_depth_counts_brackets_outside_strings_only():
     assert json_depth_exceeds(b'{"a":' * 100_000, 64)
     in_strings = json.dumps({"x": ['\\"[[[[{{' * 50] * 100, "y": [[1]] * 100}).encode()
     assert not json_depth_exceeds(in_strings, 64)  # escaped quotes do not end a string
+
+
+def test_sse_events_keep_line_break_characters_off_the_wire():
+    """U+0085, U+2028 and U+2029 are legal raw in JSON strings but split lines in httpx's
+    iter_lines: a token made of one must not cut its event in two."""
+    import json
+
+    from thermostat.api.responses import sse_event
+
+    data = json.dumps({"text": "a\x85b\u2028c\u2029d"}, ensure_ascii=False)
+    event = sse_event(data)
+    assert event.startswith("data: ") and event.endswith("\n\n")
+    line = event[len("data: ") : -2]
+    assert line.splitlines() == [line]
+    assert json.loads(line) == {"text": "a\x85b\u2028c\u2029d"}

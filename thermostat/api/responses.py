@@ -25,6 +25,16 @@ def response_quality(reports: list[dict[str, Any]]) -> dict[str, Any]:
     return (flagged or reports or [quality_report("")])[0]
 
 
+# Characters JSON leaves raw inside strings that line splitters (Python's str.splitlines, httpx's
+# iter_lines) take for line breaks: escaped, an event stays on its one `data:` line for them too.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_event(data: str) -> str:
+    """One event of a JSON text (same JSON value, no raw line-break characters)."""
+    return f"data: {data.translate(_LINE_BREAKS)}\n\n"
+
+
 def sse(events: AsyncIterator[str], on_error: Callable[[APIError], None]) -> StreamingResponse:
     """A server-sent event stream of JSON texts. An APIError raised once the 200 went out is
     reported in-band (`on_error` counts it first); the stream always ends with `[DONE]`."""
@@ -32,10 +42,10 @@ def sse(events: AsyncIterator[str], on_error: Callable[[APIError], None]) -> Str
     async def body() -> AsyncIterator[str]:
         try:
             async for data in events:
-                yield f"data: {data}\n\n"
+                yield sse_event(data)
         except APIError as err:
             on_error(err)
-            yield f"data: {json.dumps(error_body(err))}\n\n"
+            yield sse_event(json.dumps(error_body(err)))
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(
