@@ -61,34 +61,41 @@ class DefaultsReport:
 
     def warnings(self) -> list[str]:
         """What an operator should know about these defaults, worst first."""
+        return [text for _, text in self.findings()]
+
+    def findings(self) -> list[tuple[str, str]]:
+        """The warnings, each with its kind (`thermostat_defaults_warning{kind}`)."""
         base = self.baseline()
         eff, source = base.effective, base.source
         gen = self.generation_config.values
-        found: list[str] = []
+        found: list[tuple[str, str]] = []
         if eff.greedy:
-            found.append(
+            found.append((
+                "greedy_default",
                 f"requests that omit temperature get greedy decoding (temperature 0 from "
-                f"{source['temperature']}); greedy decoding makes many models loop and repeat"
-            )
+                f"{source['temperature']}); greedy decoding makes many models loop and repeat",
+            ))  # fmt: skip
         rec = self.recommendation
         from_file = source["temperature"] in ("generation_config", "builtin")
         generic = all(gen.get(k, v) == v for k, v in GENERIC.items())
         if rec is not None and self.layers.recommended is None and from_file and generic:
             have = ", ".join(f"{k} {gen[k]}" for k in GENERIC if k in gen) or "none set"
             want = ", ".join(f"{k}={v}" for k, v in rec.values.items())
-            found.append(
+            found.append((
+                "generic_generation_config",
                 f"generation_config.json has generic sampling values ({have}) but the "
                 f"{rec.family} family recommends {want} ({rec.source}); opt in with "
-                f"--sampling-defaults recommended, or set values with --sampling-defaults"
-            )
+                f"--sampling-defaults recommended, or set values with --sampling-defaults",
+            ))  # fmt: skip
         if self.generation_config.do_sample is False:
             used = ", ".join(f"{k}={v}" for k, v in gen.items()) or "none"
-            found.append(
+            found.append((
+                "do_sample_false",
                 "generation_config.json sets do_sample: false. Thermostat ignores do_sample and "
-                f"uses the file's values ({used}); omitted fields do not become greedy"
-            )
+                f"uses the file's values ({used}); omitted fields do not become greedy",
+            ))  # fmt: skip
         for key, why in self.generation_config.ignored.items():
-            found.append(f"generation_config.json: {key} ignored ({why})")
+            found.append(("ignored_field", f"generation_config.json: {key} ignored ({why})"))
         return found
 
     def to_dict(self) -> dict[str, Any]:

@@ -118,6 +118,38 @@ class Metrics:
             registry=r,
         )
 
+        self.defaults_warning = Gauge(
+            "thermostat_defaults_warning",
+            "1 for each kind of warning the startup report gives about the sampling defaults",
+            ["kind"],
+            registry=r,
+        )
+        self.default_sampling = Gauge(
+            "thermostat_default_sampling",
+            "What a request that omits the field gets, by parameter and the layer it comes from",
+            ["param", "source"],
+            registry=r,
+        )
+        self.queue_limit = Gauge(
+            "thermostat_queue_limit",
+            "--max-queue: requests waiting beyond it are answered 503 (absent: unbounded)",
+            registry=r,
+        )
+
+    def set_queue_limit(self, limit: int | None) -> None:
+        if limit is None:
+            self.registry.unregister(self.queue_limit)
+        else:
+            self.queue_limit.set(limit)
+
+    def describe_defaults(self, report: dict[str, Any], kinds: list[str]) -> None:
+        """The defaults report (`/v1/sampling/defaults`'s body) and its warnings' kinds."""
+        for kind in kinds:
+            self.defaults_warning.labels(kind).set(1)
+        for param, value in report["effective"].items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                self.default_sampling.labels(param, report["source"][param]).set(value)
+
     def on_admitted(self, resolution: Resolution, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.temperature_source.labels(resolution.source["temperature"]).inc()

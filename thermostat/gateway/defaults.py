@@ -168,23 +168,28 @@ class GatewayDefaults:
         return self.resolve(SamplingParams())
 
     def warnings(self) -> list[str]:
-        found = self.report.warnings()
+        return [text for _, text in self.findings()]
+
+    def findings(self) -> list[tuple[str, str]]:
+        """serve's, plus what the gateway cannot see (each with its kind)."""
+        found = self.report.findings()
         base = self.baseline()
         layered = base.unknown - {"max_tokens"}
         if layered:
             names = ", ".join(sorted(layered))
-            found.insert(
-                0,
+            found.insert(0, (
+                "upstream_defaults_unknown",
                 f"the gateway does not know the upstream's defaults for {names}: requests that "
                 "omit them get what the upstream decides (source 'upstream'); give "
                 "--generation-config PATH or --model DIR, or set them with --sampling-defaults",
-            )
+            ))  # fmt: skip
             policy = self.report.layers.policy
             if "temperature" in layered and policy.min_temperature is not None:
-                found.append(
+                found.append((
+                    "min_temperature_unseen",
                     "--min-temperature applies to temperatures the gateway resolves; one "
-                    "omitted and left to the upstream is not seen"
-                )
+                    "omitted and left to the upstream is not seen",
+                ))  # fmt: skip
         return found
 
     def to_dict(self) -> dict[str, Any]:

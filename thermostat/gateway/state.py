@@ -37,6 +37,7 @@ class GatewayState(Lifecycle):
         super().__init__(log)
         self.config = config
         self.metrics = GatewayMetrics()
+        self.metrics.set_queue_limit(config.max_queue)
         self.upstream = Upstream(
             config.upstream, config.upstream_api_key, config.upstream_timeout_s
         )
@@ -99,7 +100,9 @@ class GatewayState(Lifecycle):
         log.info("upstream %s: kind %s, model %r", self.config.upstream, d.info.kind, d.info.model)
         for note in d.info.notes:
             log.info("upstream: %s", note)
-        self.report_defaults(d.render_table(), d.warnings())
+        findings = d.findings()
+        self.report_defaults(d.render_table(), [text for _, text in findings])
+        self.metrics.describe_defaults(d.to_dict(), [kind for kind, _ in findings])
 
     async def upstream_alive(self) -> bool:
         """The upstream answered its health check, as of at most HEALTH_TTL_S ago."""

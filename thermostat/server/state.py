@@ -41,6 +41,7 @@ class ServerState(Lifecycle):
         self.model_dir = model_dir
         self.defaults = defaults
         self.metrics = Metrics()
+        self.metrics.set_queue_limit(config.max_queue)
         self.started = int(time.time())  # unix seconds; the model card's `created`
         # Set once loaded (routes that use serving, prompts and tokens are served only when
         # ready: see server.middleware):
@@ -63,7 +64,9 @@ class ServerState(Lifecycle):
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Any) -> AsyncIterator[None]:
-        self.report_defaults(self.defaults.render_table(), self.defaults.warnings())
+        findings = self.defaults.findings()
+        self.report_defaults(self.defaults.render_table(), [text for _, text in findings])
+        self.metrics.describe_defaults(self.defaults.to_dict(), [kind for kind, _ in findings])
         self._load_task = asyncio.create_task(self._load())
         try:
             yield
