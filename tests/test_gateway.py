@@ -291,6 +291,29 @@ def test_stream_final_chunk_carries_sampling_and_quality(upstream):
     assert all("sampling" not in (c.model_extra or {}) for c in before)
 
 
+def test_console_shows_the_upstream_and_records_whole_and_streamed_requests(upstream):
+    with running_gateway(upstream.url, console_keep_text=True) as url:
+        c = client(url)
+        whole = c.completions.create(model=upstream.model, prompt="a b", max_tokens=5)
+        list(c.chat.completions.create(model=upstream.model, messages=PROMPT, max_tokens=4,
+                                       temperature=0.5, stream=True))  # fmt: skip
+        state = httpx.get(f"{url}/v1/console/state", headers={"Authorization": "Bearer x"})
+        detail = httpx.get(f"{url}/v1/console/requests/1").json()
+    body = state.json()
+    facts, rows = body["facts"], body["requests"]
+    assert facts["server"] == "thermostat gateway" and facts["upstream"] == upstream.url
+    assert facts["upstream kind"] == "thermostat" and facts["model"] == upstream.model
+    assert body["defaults"]["upstream"]["kind"] == "thermostat"
+    assert [r["endpoint"] for r in rows] == ["completions", "chat"]
+    assert rows[0]["greedy"] and rows[0]["sampling"]["temperature"]["source"] == "generation_config"
+    assert rows[1]["sampling"]["temperature"] == {"value": 0.5, "source": "request"}
+    assert rows[0]["completion_tokens"] == whole.usage.completion_tokens
+    assert all(r["status"] == "ok" and r["finish_reasons"] == ["length"] for r in rows)
+    assert detail["sampling"] == whole.model_extra["sampling"]
+    assert detail["text"] == [whole.choices[0].text]
+    assert body["series"]["totals"]["requests"] == 2
+
+
 def test_seeded_samples_report_their_own_seed_as_the_upstream_ran_them(upstream):
     with running_gateway(upstream.url, sampling_defaults={"temperature": 0.8}) as url:
         c = client(url)
@@ -381,7 +404,11 @@ def test_verify_passes_through_the_gateway_where_it_fails_direct(upstream, capsy
         code = main(["verify", url, "--endpoint", "completions", "--max-tokens", "12", "--json"])
         checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
         diagnosed = main(["diagnose", "--url", url, "--max-tokens", "8", "--json"])
-        cells = json.loads(capsys.readouterr().out)["cells"]
+        out = capsys.readouterr()
+        cells = json.loads(out.out)["cells"]
+        kept = httpx.get(f"{url}/v1/console/state").json()["diagnose"]  # the console shows it
+    assert "on the server's console" in out.err
+    assert kept["cells"] == cells and kept["cause"] == json.loads(out.out)["cause"]
     assert diagnosed in (0, 1)
     assert [c["decoding"] for c in cells] == ["greedy", "defaults"]
     assert checks["default-sampling"]["status"] == "pass"

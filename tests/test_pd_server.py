@@ -210,6 +210,14 @@ def test_halves_with_other_sampling_defaults_are_refused(model_dir, pair):
     assert error["code"] == "pd_mismatch"
     assert "top_p: prefill 0.9 (operator), decode 1.0" in error["message"]
     assert kv_usage(decode) == 0.0
+    facts = httpx.get(decode.url + "/v1/console/state").json()["facts"]  # the console says so
+    assert facts["role"] == "decode" and facts["last handoff"]["outcome"] == "pd_mismatch"
+    assert "top_p" in facts["last handoff"]["message"]
+    p, d = pd_post(*pair, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
+    assert d.status_code == 200
+    facts = httpx.get(decode.url + "/v1/console/state").json()["facts"]
+    assert facts["last handoff"]["outcome"] == "agreed"
+    assert facts["last prefill"] == f"127.0.0.1:{bootstrap_port(pair[0])}"
 
 
 def test_halves_with_other_kv_dtype_are_refused(model_dir, pair):

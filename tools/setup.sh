@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
-# Create .venv, install Thermostat with its test extras and build its CPU kernels for this
+# Install Chromium and promtool (Debian), create .venv, install Thermostat with its test extras
+# (Playwright drives Debian's Chromium; it downloads no browser) and build its CPU kernels for this
 # machine (cached per source, torch, flags and CPU under ~/.cache/thermostat/kernels, so no server
 # start compiles; says "off" and succeeds on a CPU without AVX-512 BF16). torch is pinned to the
 # CPU build (2.13.0); nothing here may pull another torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The test suite's programs from Debian: Chromium (the console's browser tests) and promtool
+# (the alert rules' tests, package prometheus).
+if ! command -v chromium >/dev/null || ! command -v promtool >/dev/null; then
+  apt_install() {
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+      chromium prometheus >/dev/null
+  }
+  apt_install || { apt-get update -q >/dev/null && apt_install; }
+fi
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0

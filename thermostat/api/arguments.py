@@ -44,7 +44,7 @@ def add_policy_arguments(s: argparse._ActionsContainer) -> None:
 
 
 def add_operations_arguments(o: argparse._ActionsContainer) -> None:
-    """--max-queue, --api-key, --drain-timeout, --max-body-mb (serve and gateway)."""
+    """--max-queue, --api-key, --drain-timeout, the console, --max-body-mb (serve and gateway)."""
     o.add_argument("--max-queue", type=int, metavar="N", help="503 + Retry-After at N waiting")
     o.add_argument(
         "--api-key",
@@ -58,6 +58,12 @@ def add_operations_arguments(o: argparse._ActionsContainer) -> None:
         default=60.0,
         metavar="S",
         help="on SIGTERM, seconds in-flight requests may take to finish",
+    )
+    o.add_argument("--no-console", action="store_true", help="do not serve the page at /console")
+    o.add_argument(
+        "--console-keep-text",
+        action="store_true",
+        help="the console's recent requests keep each output's text (default: not kept)",
     )
     o.add_argument(
         "--max-body-mb",

@@ -23,6 +23,8 @@ class EdgeConfig:
     drain_timeout_s: float = 60.0  # on SIGTERM, how long in-flight requests may finish
     retry_after_s: int = 1  # the Retry-After of a queue-full 503
     max_body_bytes: int = 16 * 2**20  # larger request bodies get a 413 before they are read
+    console: bool = True  # GET /console (api/console.py)
+    console_keep_text: bool = False  # the console's recent requests keep prompt and output text
 
     def __post_init__(self) -> None:
         if self.max_queue is not None and self.max_queue < 1:
@@ -46,4 +48,6 @@ def edge_options(args: argparse.Namespace) -> dict[str, Any]:
         max_queue=args.max_queue,
         drain_timeout_s=args.drain_timeout,
         max_body_bytes=int(args.max_body_mb * 2**20),
+        console=not args.no_console,
+        console_keep_text=args.console_keep_text,
     )

@@ -17,6 +17,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from thermostat.api.traffic import Traffic
 from thermostat.sampling import Resolution
 
 if TYPE_CHECKING:  # the gateway uses these metrics without the engine (and torch)
@@ -27,9 +28,11 @@ TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 
 
 class Metrics:
-    """Every family the server exports; updated from the event loop only."""
+    """Every family the server exports, and the console's `traffic` fed by the same events;
+    updated from the event loop only."""
 
     def __init__(self) -> None:
+        self.traffic = Traffic()
         disable_created_metrics()  # no `_created` series: half the output, no information
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -152,22 +155,39 @@ class Metrics:
 
     def on_admitted(self, resolution: Resolution, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
-        self.temperature_source.labels(resolution.source["temperature"]).inc()
+        source = resolution.source["temperature"]
+        self.temperature_source.labels(source).inc()
         if resolution.effective.greedy:
             self.greedy.inc()
         for adjustment in resolution.adjusted:
             self.adjustments.labels(adjustment.policy).inc()
+        self.traffic.on_admitted(source, resolution.effective.greedy)
+
+    def on_tokens(self, n: int) -> None:
+        self.generation_tokens.inc(n)
+        self.traffic.on_tokens(n)
+
+    def on_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self.traffic.on_first_token(seconds)
 
     def on_quality(self, report: dict[str, Any]) -> None:
         if report.get("degenerate"):
-            for flag in report.get("flags") or ["unspecified"]:  # a small fixed set of names
+            flags = report.get("flags") or ["unspecified"]  # a small fixed set of names
+            for flag in flags:
                 self.degenerate.labels(flag).inc()
+            self.traffic.on_degenerate(flags)
 
-    def render(self, stats: EngineStats | None) -> bytes:
+    def sample(self, stats: EngineStats | None) -> None:
+        """The engine's gauges from its latest stats (at a scrape, a console refresh)."""
         if stats is not None:
             self.running.set(stats.num_running)
             self.waiting.set(stats.num_waiting)
             self.kv_usage.set(stats.kv_cache_usage)
             queries = stats.prefix_cache_queries
             self.prefix_hit_rate.set(stats.prefix_cache_hits / queries if queries else 0.0)
+            self.traffic.sample_kv(stats.kv_cache_usage)
+
+    def render(self, stats: EngineStats | None) -> bytes:
+        self.sample(stats)
         return generate_latest(self.registry)

@@ -4,6 +4,8 @@
 |--------------------------------------------|----------|--------------------------|
 | /health                                    | open     | answers 503 itself       |
 | /metrics                                   | open     | served                   |
+| /, /console, /console/assets/* (the page)  | open     | served                   |
+| /v1/console/* (what the page shows)        | required | 503                      |
 | /v1/*, /tokenize, /detokenize              | required | 503                      |
 | /reset_prefix_cache, /flush_cache          | required | 503                      |
 | /server_info, /model_info, /get_load, ...  | open     | 503                      |
@@ -37,7 +39,7 @@ class GatedState(Protocol):
 
 
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache", "/flush_cache")
-ALWAYS_SERVED = ("/health", "/metrics")
+ALWAYS_SERVED = ("/health", "/metrics", "/", "/console")  # and the console's assets
 
 
 class GateMiddleware:
@@ -83,7 +85,7 @@ class GateMiddleware:
                     code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},
                 )
-        if path in ALWAYS_SERVED or self.state.status == "ready":
+        if path in ALWAYS_SERVED or path.startswith("/console/") or self.state.status == "ready":
             return None
         why = {"loading": "the model is loading", "draining": "the server is shutting down"}
         message = why.get(self.state.status, "the server cannot serve requests")

@@ -141,6 +141,22 @@ def remote_generator(url: str, model: str | None, api_key: str | None, max_token
     return client, generate
 
 
+def keep_on_console(url: str, api_key: str | None, result: dict) -> str:
+    """Hand the result to the diagnosed server's console (Thermostat serve or gateway), which
+    shows the last one; what happened, as a line for the terminal."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    target = url.rstrip("/") + "/v1/console/diagnose"
+    try:
+        r = httpx.post(target, json=result, headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        return f"the result was not kept on the server's console: {exc}"
+    if r.status_code == 200:
+        return f"the result is on the server's console: {url.rstrip('/')}/console"
+    return f"the result was not kept on the server's console ({r.status_code} from {target})"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", help="model directory ('demo'), or name with --url")
     p.add_argument("--url", help="diagnose a running server (decoding factor only)")
@@ -211,17 +227,15 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/] {exc}")
         return 2
     cause, explanation = conclude(cells)
+    result = {
+        "cause": cause,
+        "explanation": explanation,
+        "cells": [asdict(c) | {"rate": c.rate} for c in cells],
+    }
+    if args.url:
+        console.print(keep_on_console(args.url, args.api_key, result))
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "cause": cause,
-                    "explanation": explanation,
-                    "cells": [asdict(c) | {"rate": c.rate} for c in cells],
-                },
-                indent=2,
-            )
-        )
+        print(json.dumps(result, indent=2))
     else:
         table = Table(title="degeneration by factor")
         for col in ("decoding", "KV cache", "weights", "degenerate", "example reason"):

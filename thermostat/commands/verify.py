@@ -52,8 +52,17 @@ class Check:
 class Client:
     """Minimal OpenAI-compatible client: one endpoint, bounded timeouts."""
 
-    def __init__(self, url: str, model: str | None, api_key: str | None, endpoint: str):
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    def __init__(
+        self,
+        url: str,
+        model: str | None,
+        api_key: str | None,
+        endpoint: str,
+        user_agent: str = "thermostat-verify",
+    ):
+        headers = {"User-Agent": user_agent}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
         self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=120)
         self.endpoint = endpoint
         self.model = model or self._first_model()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from thermostat.api.body_limits import BodyLimitsMiddleware
+from thermostat.api.console import install_console
 from thermostat.api.errors import install_error_handlers
 from thermostat.api.middleware import GateMiddleware
 from thermostat.gateway.config import GatewayConfig
@@ -19,6 +20,7 @@ def create_gateway_app(config: GatewayConfig) -> FastAPI:
     app.state.thermostat = state
     install_error_handlers(app)
     app.include_router(router)
+    install_console(app, config)
     state.route_paths = {getattr(route, "path", "") for route in app.routes}
     app.add_middleware(BodyLimitsMiddleware, state=state)
     app.add_middleware(GateMiddleware, state=state)

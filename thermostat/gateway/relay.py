@@ -77,6 +77,8 @@ class StreamAnnotator:
         self.analyzers: dict[int, StreamingAnalyzer] = {}
         self.finished: set[int] = set()
         self.reports: list[dict[str, Any]] = []
+        self.finish_reasons: dict[int, str] = {}  # by choice, once finished
+        self.texts: dict[int, list[str]] = {}  # by choice, its text so far in pieces
         self.first_content = False  # a chunk with text has passed (TTFT)
         self.cut = False  # a choice was finished here on a loop
 
@@ -103,6 +105,7 @@ class StreamAnnotator:
             analyzer = self.analyzers.setdefault(index, StreamingAnalyzer())
             text = choice_text(choice, "delta")
             self.first_content = self.first_content or bool(text)
+            self.texts.setdefault(index, []).append(text)
             state = analyzer.update(text)
             choice.pop("sampling", None)
             if choice.get("finish_reason") is None and self.stop_on_loop and state.loop_detected:
@@ -110,6 +113,7 @@ class StreamAnnotator:
                 self.cut = True
             if choice.get("finish_reason") is not None:
                 self.finished.add(index)
+                self.finish_reasons[index] = choice["finish_reason"]
                 report = analyzer.report().to_dict()
                 self.reports.append(report)
                 choice["quality"] = report

@@ -8,7 +8,7 @@ import contextlib
 import functools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -18,11 +18,11 @@ from thermostat.api.disconnect import until_disconnected
 from thermostat.api.errors import APIError
 from thermostat.api.protocol import ChatCompletionRequest, CompletionRequest
 from thermostat.api.request_params import read_body, to_sampling_params
-from thermostat.api.responses import sse
+from thermostat.api.responses import response_quality, sse
 from thermostat.api.tools import tool_constraint
 from thermostat.gateway.fold import Fold
 from thermostat.gateway.forward import upstream_body
-from thermostat.gateway.relay import Sampling, StreamAnnotator, annotate
+from thermostat.gateway.relay import Sampling, StreamAnnotator, annotate, choice_text
 from thermostat.gateway.state import GatewayState
 from thermostat.gateway.upstream import UpstreamError
 from thermostat.sampling import GreedyRejected
@@ -55,7 +55,7 @@ def _count_usage(state: GatewayState, usage: Any) -> None:
     """generation_tokens from an upstream's `usage`."""
     tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
     if isinstance(tokens, int) and tokens > 0:
-        state.metrics.generation_tokens.inc(tokens)
+        state.metrics.on_tokens(tokens)
 
 
 @router.get("/metrics")
@@ -124,8 +124,9 @@ async def _generate(
     sent = upstream_body(raw, resolved, state.defaults)
     sampling = Sampling(resolved.to_dict(), functools.partial(
         resolved.choice, n=body.n or 1, kind=state.defaults.kind))  # fmt: skip
+    record = functools.partial(_record, state, endpoint, request.headers.get("user-agent"))
     if body.stream:
-        return await _stream(state, PATHS[endpoint], sent, sampling)
+        return await _stream(state, PATHS[endpoint], sent, sampling, record)
     with state.admitted() as start:
         if state.config.stop_on_loop:
             work = _folded(state, endpoint, sent, sampling)
@@ -135,9 +136,59 @@ async def _generate(
             data = await until_disconnected(work, request)
         except APIError as err:
             _count(state, err)
+            record("error", sampling.response, start)
             raise
         state.metrics.e2e.observe(time.monotonic() - start)
+    choices = [c for c in data.get("choices", []) if isinstance(c, dict)]
+    record(
+        "ok",
+        data.get("sampling", sampling.response),
+        start,
+        quality=data.get("quality", {}),
+        finish_reasons=[c.get("finish_reason") for c in choices],
+        texts=[choice_text(c, "message") for c in choices],
+        usage=data.get("usage"),
+        request_id=data.get("id"),
+    )
     return JSONResponse(data)
+
+
+def _record(
+    state: GatewayState,
+    endpoint: str,
+    client: str | None,
+    status: str,
+    sampling: dict[str, Any],
+    start: float,
+    *,
+    quality: dict[str, Any] | None = None,
+    finish_reasons: list[str | None] | None = None,
+    texts: list[str] | None = None,
+    usage: Any = None,
+    request_id: Any = None,
+    ttft_s: float | None = None,
+) -> None:
+    """One finished request in the console's recent list."""
+    usage = usage if isinstance(usage, dict) else {}
+
+    def tokens(key: str) -> int:
+        value = usage.get(key)
+        return value if isinstance(value, int) else 0
+
+    state.metrics.traffic.record(
+        request_id=request_id if isinstance(request_id, str) else "",
+        endpoint=endpoint,
+        client=client,
+        status=status,
+        sampling=sampling,
+        quality=quality or {},
+        finish_reasons=finish_reasons or [],
+        prompt_tokens=tokens("prompt_tokens"),
+        completion_tokens=tokens("completion_tokens"),
+        ttft_s=ttft_s,
+        latency_s=round(time.monotonic() - start, 4),
+        text=texts,
+    )
 
 
 async def _whole(
@@ -173,7 +224,11 @@ async def _folded(
 
 
 async def _stream(
-    state: GatewayState, path: str, sent: dict[str, Any], sampling: Sampling
+    state: GatewayState,
+    path: str,
+    sent: dict[str, Any],
+    sampling: Sampling,
+    record: Callable[..., None],
 ) -> Response:
     """The upstream stream is opened before answering, so a refusal before its first byte
     (a 4xx, 502, 504) is a plain error answer; after that, errors are in-band. Usage is asked
@@ -189,28 +244,48 @@ async def _stream(
     except APIError as err:
         admitted.close()
         _count(state, err)
+        record("error", sampling.response, start)
         raise
     state.metrics.upstream_latency.observe(state.upstream.last_latency_s)
     annotator = StreamAnnotator(sampling.response, state.config.stop_on_loop, sampling.per_choice)
 
     async def events() -> AsyncIterator[str]:
-        first = True
+        ttft: float | None = None
+        usage, request_id, status = None, None, "aborted"
         try:
             async for chunk in annotator.run(state.upstream.events(response)):
+                request_id = request_id or chunk.get("id")
                 if chunk.get("usage"):
-                    _count_usage(state, chunk["usage"])
+                    usage = chunk["usage"]
+                    _count_usage(state, usage)
                     if not wants_usage and not chunk.get("choices"):
                         continue
                     if not wants_usage:
                         del chunk["usage"]
-                if first and annotator.first_content:
-                    state.metrics.ttft.observe(time.monotonic() - start)
-                    first = False
+                if ttft is None and annotator.first_content:
+                    ttft = time.monotonic() - start
+                    state.metrics.on_first_token(ttft)
                 yield json.dumps(chunk)
             for report in annotator.reports:
                 state.metrics.on_quality(report)
+            status = "ok"
+        except APIError:
+            status = "error"
+            raise
         finally:
             await response.aclose()  # a client gone, a loop cut: the upstream stops too
             admitted.close()
+            done = sorted(annotator.finish_reasons)
+            record(
+                status,
+                sampling.response,
+                start,
+                quality=response_quality(annotator.reports) if annotator.reports else {},
+                finish_reasons=[annotator.finish_reasons[i] for i in done],
+                texts=["".join(annotator.texts.get(i, [])) for i in done],
+                usage=usage,
+                request_id=request_id,
+                ttft_s=None if ttft is None else round(ttft, 4),
+            )
 
     return sse(events(), lambda err: _count(state, err))

@@ -117,6 +117,30 @@ class GatewayState(Lifecycle):
     def serving_line(self) -> str:
         return f"gateway to {self.config.upstream}"
 
+    def console_facts(self) -> dict[str, Any]:
+        checked, alive = self._health
+        ready = self.status in ("ready", "draining")
+        return {
+            "server": "thermostat gateway",
+            "upstream": self.config.upstream,
+            "upstream kind": self.defaults.info.kind if ready else "not discovered yet",
+            "model": self.defaults.info.model if ready else None,
+            "upstream health": "never checked"
+            if checked < 0
+            else f"{'answering' if alive else 'NOT answering'} "
+            f"(checked {time.monotonic() - checked:.0f} s ago)",
+            "context length": self.defaults.info.context_len if ready else None,
+            "requests in flight": self.in_flight,
+            "max queue": self.config.max_queue,
+            "what it learned": list(self.defaults.info.notes) if ready else [],
+        }
+
+    def console_defaults(self) -> dict[str, Any]:
+        return self.defaults.to_dict()
+
+    def console_sample(self) -> None:
+        """No engine here: nothing to sample."""
+
     @contextlib.contextmanager
     def admitted(self) -> Any:
         """One request in flight (drain waits for it); 503 at --max-queue."""

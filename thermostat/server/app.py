@@ -7,6 +7,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from thermostat.api.body_limits import BodyLimitsMiddleware
+from thermostat.api.console import install_console
 from thermostat.api.defaults import DefaultsReport
 from thermostat.api.errors import install_error_handlers
 from thermostat.api.middleware import GateMiddleware
@@ -42,6 +43,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     install_error_handlers(app)
 
     app.include_router(router)
+    install_console(app, config)
     state.route_paths = {getattr(route, "path", "") for route in app.routes}
     app.add_middleware(BodyLimitsMiddleware, state=state)  # inside the gate: after auth
     app.add_middleware(GateMiddleware, state=state)

@@ -171,6 +171,8 @@ class DecodeRole(Role):
     """Claims each choice's handoff and checks it before the choices are admitted."""
 
     name: str  # how this decode introduces itself to a prefill
+    # the last request's handoff as the console shows it: its prefill, agreed or refused why
+    last_handoff: dict[str, Any] | None = None
 
     async def fetch(
         self,
@@ -211,7 +213,14 @@ class DecodeRole(Role):
             )
         except APIError as exc:
             self.metrics.handoffs.labels("decode", exc.info.code or "error").inc()
+            self.last_handoff = {
+                "time": time.time(),
+                "prefill": rooms.prefill,
+                "outcome": exc.info.code or "error",
+                "message": exc.info.message,
+            }
             raise
+        self.last_handoff = {"time": time.time(), "prefill": rooms.prefill, "outcome": "agreed"}
         self.metrics.handoffs.labels("decode", "ok").inc(len(handoffs))
         self.metrics.handoff_bytes.labels("decode").inc(sum(p.rows.nbytes for p in handoffs))
         self.metrics.handoff_wait.observe(time.monotonic() - start)

@@ -100,11 +100,14 @@ async def _submit(
     here, once handed off), or the decode half (once its prefill's KV is in hand)."""
     state = _state(request)
     role = state.role
+    client = request.headers.get("user-agent")
     if isinstance(role, PrefillRole):
         rooms = Rooms.of(body)
         try:
             planned = _disaggregated(state.serving.plan(body.model, prompts, params))
-            job = await state.serving.submit(endpoint, prompts, planned, handoff=True)
+            job = await state.serving.submit(
+                endpoint, prompts, planned, handoff=True, client=client
+            )
         except APIError as err:
             choices = len(prompts) * (params.n or 1)
             role.fail(rooms, choices, "prefill_refused", f"{err.status}: {err.info.message}")
@@ -112,10 +115,10 @@ async def _submit(
         return JSONResponse(await role.serve(job, rooms, request))
     planned = state.serving.plan(body.model, prompts, params)
     if role is None:
-        return await state.serving.submit(endpoint, prompts, planned)
+        return await state.serving.submit(endpoint, prompts, planned, client=client)
     handoffs, extra = await role.fetch(Rooms.of(body), _disaggregated(planned), request)
     return await state.serving.submit(
-        endpoint, prompts, planned, handoffs=handoffs, sampling_extra=extra
+        endpoint, prompts, planned, handoffs=handoffs, sampling_extra=extra, client=client
     )
 
 

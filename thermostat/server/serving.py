@@ -60,6 +60,7 @@ class Job:
     cached_tokens: dict[int, int] = field(default_factory=dict)  # by choice, from its deltas
     handoffs: dict[int, Handoff] = field(default_factory=dict)  # prefill role, by choice
     sampling_extra: dict[str, Any] = field(default_factory=dict)  # added to every `sampling`
+    client: str | None = None  # the User-Agent (the console's recent requests)
     first_token_s: float | None = None
     num_generated: int = 0  # tokens generated so far, over all choices (aborted ones included)
     _last_token: dict[int, float] = field(default_factory=dict)
@@ -164,10 +165,10 @@ class Job:
             self.handoffs[index] = delta.handoff
         if delta.new_token_ids:
             self.num_generated += len(delta.new_token_ids)
-            self.metrics.generation_tokens.inc(len(delta.new_token_ids))
+            self.metrics.on_tokens(len(delta.new_token_ids))
             last = self._last_token.get(index)
             if last is None:
-                self.metrics.ttft.observe(now - self.arrival)
+                self.metrics.on_first_token(now - self.arrival)
                 if self.first_token_s is None:
                     self.first_token_s = now - self.arrival
             else:
@@ -203,6 +204,21 @@ class Job:
             "latency_s": round(time.monotonic() - self.arrival, 4),
         }
         request_log.info(json.dumps(line))
+        done = sorted(self.quality)
+        self.metrics.traffic.record(
+            request_id=self.id,
+            endpoint=self.endpoint,
+            client=self.client,
+            status=status,
+            sampling=sampling,
+            quality=response_quality([self.quality[i] for i in done]) if done else {},
+            finish_reasons=[self.choices[i].finish_reason for i in done],
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=self.num_generated,
+            ttft_s=line["ttft_s"],
+            latency_s=line["latency_s"],
+            text=[self.choices[i].text for i in done],
+        )
 
 
 @dataclass(eq=False)
@@ -252,6 +268,7 @@ class Serving:
         handoff: bool = False,
         handoffs: list[Handoff] | None = None,
         sampling_extra: dict[str, Any] | None = None,
+        client: str | None = None,
     ) -> Job:
         """Queue a planned request; raises APIError (4xx for bad input, 503 when the queue is
         full) before anything is sent to the client. `handoff` and `handoffs`: the prefill and
@@ -273,5 +290,6 @@ class Serving:
             raise classify(exc) from exc
         job = Job(job_id, endpoint, self.model, prompts, planned.n, stream, self.metrics, arrival)
         job.sampling_extra = sampling_extra or {}
+        job.client = client
         self.metrics.on_admitted(job.resolution(), sum(len(p.token_ids) for p in prompts))
         return job

@@ -142,6 +142,35 @@ class ServerState(Lifecycle):
         log.info("decode: claims KV from the prefill each request names (timeout %.0f s)", timeout)
         return DecodeRole(model, kv_cache, timeout, self.metrics, name)
 
+    def console_facts(self) -> dict[str, Any]:
+        cfg = self.config
+        facts: dict[str, Any] = {
+            "server": "thermostat serve",
+            "model": self.defaults.model,
+            "model path": str(self.model_dir),
+            "architecture": ", ".join(self.model_config.get("architectures") or []) or None,
+            "weights": self.weights["weight_format"],
+            "KV cache dtype": cfg.engine.kv_cache_dtype,
+            "context length": self.max_model_len or None,
+            "max running requests": cfg.engine.max_num_seqs,
+            "max queue": cfg.max_queue,
+            "role": cfg.disaggregation_mode or "single server",
+        }
+        if isinstance(self.role, PrefillRole):
+            facts["bootstrap port"] = self.role.server.port
+            facts["handoffs parked"] = self.role.table.num_parked
+        if isinstance(self.role, DecodeRole):
+            last = self.role.last_handoff
+            facts["last prefill"] = last["prefill"] if last else "none yet"
+            facts["last handoff"] = last
+        return facts
+
+    def console_defaults(self) -> dict[str, Any]:
+        return self.defaults.to_dict()
+
+    def console_sample(self) -> None:
+        self.metrics.sample(self.engine.stats if self.engine else None)
+
     def serving_line(self) -> str:
         role = self.config.disaggregation_mode
         return f"serving {f'{role} half of ' if role else ''}{self.defaults.model!r}"

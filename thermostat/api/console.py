@@ -1,0 +1,194 @@
+"""The console: a page that shows what the server applies and what its traffic looks like, on
+`serve`, each PD worker and the gateway alike (`--no-console` turns it off).
+
+| route                          | key      | what                                                 |
+|--------------------------------|----------|------------------------------------------------------|
+| GET /  -> /console             | open     | a redirect                                           |
+| GET /console, /console/assets/ | open     | the page and its scripts (package files, no CDN)     |
+| GET /v1/console/state          | required | the server's facts and defaults, the last hour's     |
+|                                |          | series, the recent requests after `?after=ID`, the   |
+|                                |          | last check and the last diagnose                     |
+| GET /v1/console/requests/{id}  | required | one request's whole `sampling` and `quality`         |
+| POST /v1/console/check         | required | runs `thermostat verify`'s checks on this server     |
+| POST /v1/console/diagnose      | required | keeps a `thermostat diagnose --json` result to show  |
+
+The page holds no data: everything it shows comes from /v1/console/*, behind `--api-key` like the
+rest of the API (the page asks for the key and keeps it in the tab's sessionStorage).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import FileResponse, RedirectResponse
+
+from thermostat.api.config import EdgeConfig
+from thermostat.api.errors import APIError
+from thermostat.api.metrics import Metrics
+
+ASSETS = Path(__file__).with_name("console_assets")
+ASSET_TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
+CHECK_MAX_TOKENS = 32  # per verify request (x4 for its degeneration probe)
+
+
+class ConsoleHost(Protocol):
+    """What the console reads of an app's state (`serve`'s, a PD worker's, the gateway's)."""
+
+    @property
+    def config(self) -> EdgeConfig: ...
+    @property
+    def metrics(self) -> Metrics: ...
+    @property
+    def address(self) -> str | None: ...
+    @property
+    def status(self) -> str: ...
+
+    def console_facts(self) -> dict[str, Any]:
+        """What this server is, for the page's first table: a name for each value."""
+        ...
+
+    def console_defaults(self) -> dict[str, Any]:
+        """The body of GET /v1/sampling/defaults."""
+        ...
+
+    def console_sample(self) -> None:
+        """Refresh the gauges the traffic plots (KV usage) from the engine, if there is one."""
+        ...
+
+
+class ConsoleRecords:
+    """The last check and the last diagnose the console shows; one check runs at a time."""
+
+    def __init__(self) -> None:
+        self.check: dict[str, Any] | None = None
+        self.diagnose: dict[str, Any] | None = None
+        self.lock = asyncio.Lock()
+
+
+router = APIRouter()
+
+
+def _host(request: Request) -> ConsoleHost:
+    return request.app.state.thermostat
+
+
+def _records(request: Request) -> ConsoleRecords:
+    return request.app.state.console
+
+
+@router.get("/", include_in_schema=False)
+async def root() -> RedirectResponse:
+    return RedirectResponse("/console")
+
+
+@router.get("/console", include_in_schema=False)
+async def page() -> FileResponse:
+    return FileResponse(ASSETS / "console.html", media_type="text/html")
+
+
+@router.get("/console/assets/{name}", include_in_schema=False)
+async def asset(name: str) -> FileResponse:
+    path = ASSETS / name
+    if "/" in name or path.suffix not in ASSET_TYPES or not path.is_file():
+        raise APIError(404, f"no console asset {name!r}", code="not_found")
+    return FileResponse(path, media_type=ASSET_TYPES[path.suffix])
+
+
+@router.get("/v1/console/state")
+async def state(request: Request, after: int = 0) -> dict[str, Any]:
+    host, records = _host(request), _records(request)
+    host.console_sample()
+    traffic = host.metrics.traffic
+    return {
+        "now": time.time(),
+        "status": host.status,
+        "facts": host.console_facts(),
+        "defaults": host.console_defaults(),
+        "series": traffic.series(),
+        "requests": traffic.rows(after),
+        "keeps_text": traffic.keep_text,
+        "check": records.check,
+        "diagnose": records.diagnose,
+    }
+
+
+@router.get("/v1/console/requests/{record_id}")
+async def request_detail(request: Request, record_id: int) -> dict[str, Any]:
+    record = _host(request).metrics.traffic.find(record_id)
+    if record is None:
+        raise APIError(
+            404,
+            f"request {record_id} is not among the last {_host(request).metrics.traffic.size}",
+            code="not_found",
+        )
+    return record.detail()
+
+
+@router.post("/v1/console/check")
+async def check(request: Request) -> dict[str, Any]:
+    """`thermostat verify`'s checks, run from this process against its own address."""
+    host, records = _host(request), _records(request)
+    if records.lock.locked():
+        raise APIError(409, "a check is already running; wait for its verdict", code="busy")
+    if host.address is None:
+        raise APIError(503, "the server is not listening yet", type="server_error")
+    async with records.lock:
+        records.check = await asyncio.to_thread(
+            run_check, _reachable(host.address), host.config.api_key
+        )
+    return records.check
+
+
+@router.post("/v1/console/diagnose")
+async def keep_diagnose(request: Request) -> dict[str, Any]:
+    """Keeps what `thermostat diagnose --url` found (it posts its --json result here)."""
+    body = await request.json()
+    if not (
+        isinstance(body, dict)
+        and isinstance(body.get("cause"), str)
+        and isinstance(body.get("cells"), list)
+    ):
+        raise APIError(
+            400, "expected a `thermostat diagnose --json` result: {cause, explanation, cells}"
+        )
+    _records(request).diagnose = body | {"time": time.time()}
+    return {"kept": True}
+
+
+def run_check(url: str, api_key: str | None) -> dict[str, Any]:
+    """verify's checks and verdict; an unreachable or broken server is a failed check."""
+    from dataclasses import asdict
+
+    import httpx
+
+    from thermostat.commands.verify import Client, verify
+
+    start = time.time()
+    try:
+        client = Client(url, None, api_key, "chat", user_agent="thermostat-console-check")
+        checks = [asdict(c) for c in verify(client, CHECK_MAX_TOKENS)]
+    except (httpx.HTTPError, RuntimeError, KeyError, IndexError, ValueError) as exc:
+        checks = [{"name": "reachable", "status": "fail", "detail": f"{type(exc).__name__}: {exc}"}]
+    return {
+        "time": start,
+        "seconds": round(time.time() - start, 2),
+        "healthy": not any(c["status"] == "fail" for c in checks),
+        "checks": checks,
+    }
+
+
+def _reachable(address: str) -> str:
+    """The server's own address as a client on this host dials it."""
+    return address.replace("://0.0.0.0:", "://127.0.0.1:").replace("://[::]:", "://[::1]:")
+
+
+def install_console(app: FastAPI, config: EdgeConfig) -> None:
+    """The console's routes, unless --no-console; the recent requests keep text if asked."""
+    app.state.thermostat.metrics.traffic.keep_text = config.console_keep_text
+    if config.console:
+        app.state.console = ConsoleRecords()
+        app.include_router(router)
