@@ -28,13 +28,12 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
 from bench_http import http_load, random_model, serving  # noqa: E402
 
+from tools.chromium import launch  # noqa: E402
+
 console = Console(stderr=True)
-CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-]  # fmt: skip
 
 
 @contextmanager
@@ -61,7 +60,7 @@ def viewer(url: str, kind: str) -> Iterator[None]:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        browser = launch(p)
         page = browser.new_page(viewport={"width": 1400, "height": 1600})
         page.goto(url + "/console")
         page.wait_for_selector("#defaults-table tbody tr", timeout=60_000)

@@ -5,7 +5,6 @@ skipped when they are missing). Screenshots land in build/screenshots/."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,19 +17,9 @@ from tests.server_utils import running_server
 from tests.waiting import HANG_GUARD_S
 from thermostat.api.traffic import BUCKET_S, RECENT, WINDOW_S, Traffic, percentile
 from thermostat.engine.loader import DEMO_MODEL_DIR
+from tools.chromium import CHROMIUM, launch
 
 SCREENSHOTS = Path(__file__).resolve().parent.parent / "build" / "screenshots"
-CHROMIUM = os.environ.get("THERMOSTAT_CHROMIUM", "/usr/bin/chromium")
-# As root in a machine with no network: no sandbox, and none of Chromium's own connections.
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 GUARD_MS = HANG_GUARD_S * 1000
 # Greedy decoding of this prompt loops on the demo model (the case in one request).
 LOOPING = {"prompt": "The king", "temperature": 0, "max_tokens": 120}
@@ -164,7 +153,7 @@ def browser() -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        b = launch(p)
         yield b
         b.close()
 
@@ -230,6 +219,12 @@ def test_page_shows_defaults_traffic_and_requests(browser: Any) -> None:
         assert page.locator("#plot-requests canvas").count() == 1
         legend = page.locator("#plot-degenerate .u-legend").inner_text()
         assert "loop" in legend  # the detector that fired is a series of its own
+        plotted = "state.plots['plot-requests'].data"
+        total = f"{plotted}.slice(1).flat().reduce((a, b) => a + b, 0)"
+        points = page.evaluate(f"[{plotted}[0].length, {plotted}.length - 1, {total}]")
+        assert points == [WINDOW_S // BUCKET_S, 2, 12]  # two sources, 6 per minute each
+        page.select_option("#window", "600")
+        page.wait_for_function(f"{plotted}[0].length === {600 // BUCKET_S}")
 
         rows = page.locator("#requests-table tbody tr")
         newest, oldest = rows.nth(0), rows.nth(1)

@@ -10,12 +10,16 @@ llama.cpp). The checks:
 | seed             | the same seed twice gives the same text (a warning otherwise)          |
 | degeneration     | text generated at the server's defaults does not loop or repeat        |
 | defaults         | informational: the server's reported defaults (GET /v1/sampling/defaults) |
+
+The pair of default-sampling requests and the degeneration probes go at once (the server may batch
+them); the greedy and seed pairs go one after the other.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -93,14 +97,18 @@ class Client:
             "finish_reason": choice.get("finish_reason"),
         }
 
+    def complete_all(self, prompts: list[str], **fields: Any) -> list[dict]:
+        """`complete` for each prompt, all at once (the server batches them)."""
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            return list(pool.map(lambda p: self.complete(p, **fields), prompts))
+
     def reported_defaults(self) -> dict | None:
         r = self.http.get("/v1/sampling/defaults")
         return r.json() if r.status_code == 200 else None
 
 
 def check_default_sampling(client: Client, max_tokens: int) -> Check:
-    a = client.complete(PROMPTS[0], max_tokens=max_tokens)
-    b = client.complete(PROMPTS[0], max_tokens=max_tokens)
+    a, b = client.complete_all([PROMPTS[0]] * 2, max_tokens=max_tokens)
     source = ""
     if a["sampling"]:
         eff, src = a["sampling"]["effective"], a["sampling"]["source"]
@@ -135,8 +143,9 @@ def check_seed(client: Client, max_tokens: int) -> Check:
 
 def check_degeneration(client: Client, max_tokens: int) -> Check:
     flagged = []
-    for prompt in PROMPTS:
-        out = client.complete(prompt, max_tokens=max_tokens)
+    for prompt, out in zip(
+        PROMPTS, client.complete_all(PROMPTS, max_tokens=max_tokens), strict=True
+    ):
         report = analyze(out["text"])
         if report.degenerate:
             flagged.append(f"{prompt[:30]!r}: {'; '.join(report.reasons)}")

@@ -19,6 +19,7 @@ from thermostat.api.defaults import DefaultsReport
 from thermostat.api.lifecycle import Lifecycle
 from thermostat.api.metrics import Metrics
 from thermostat.api.tool_parsers import ToolParser, marker_tokens, parser_for
+from thermostat.api.traffic import BUCKET_S
 from thermostat.disagg.handoff import model_identity
 from thermostat.engine.llm_engine import LLMEngine
 from thermostat.engine.loader import load_configured
@@ -61,6 +62,7 @@ class ServerState(Lifecycle):
         self.tool_parser: ToolParser  # the model family's tool-call format, once loaded
         self.role: PrefillRole | DecodeRole | None = None  # a disaggregated server's half
         self._load_task: asyncio.Task[None] | None = None
+        self._sampler: asyncio.Task[None] | None = None  # the console's KV usage, unwatched too
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: Any) -> AsyncIterator[None]:
@@ -121,6 +123,7 @@ class ServerState(Lifecycle):
             self.config.retry_after_s,
             engine.max_model_len,
         )
+        self._sampler = asyncio.create_task(self._sample_forever())
         self.mark_ready()
 
     async def _role(self, engine: LLMEngine) -> PrefillRole | DecodeRole | None:
@@ -171,6 +174,12 @@ class ServerState(Lifecycle):
     def console_sample(self) -> None:
         self.metrics.sample(self.engine.stats if self.engine else None)
 
+    async def _sample_forever(self) -> None:
+        """Sample the engine's gauges once per traffic bucket, whether or not anyone looks."""
+        while True:
+            self.console_sample()
+            await asyncio.sleep(BUCKET_S)
+
     def serving_line(self) -> str:
         role = self.config.disaggregation_mode
         return f"serving {f'{role} half of ' if role else ''}{self.defaults.model!r}"
@@ -183,6 +192,8 @@ class ServerState(Lifecycle):
         self.begin_draining()
         if self._load_task is not None:
             await self._load_task  # a load in a thread cannot be interrupted
+        if self._sampler is not None:
+            self._sampler.cancel()
         if self.engine is not None:
             await self.drain()
             await self.engine.stop()

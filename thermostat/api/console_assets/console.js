@@ -203,7 +203,10 @@ function plot(id, names, data, opts = {}) {
     ticks: { stroke: themeColor("--line"), width: 1 } };
   const series = [{}].concat(names.map((name, i) => ({
     label: name, stroke: PALETTE[i % PALETTE.length], fill: PALETTE[i % PALETTE.length] + "30",
-    width: 1.5, spanGaps: false, value: (u, v) => (v === null || v === undefined ? "-" : +v.toFixed(3)),
+    width: 1.5,
+    spanGaps: false,
+    points: opts.points ? { show: true, size: 5 } : {},
+    value: (u, v) => (v === null || v === undefined ? "-" : +v.toFixed(3)),
   })));
   state.plots[id] = new uPlot({
     width: Math.max(300, container.clientWidth), height: 180, series,
@@ -214,7 +217,20 @@ function plot(id, names, data, opts = {}) {
   state.plotKeys[id] = key;
 }
 
-function renderTraffic(s) {
+function windowed(s) {
+  // the last `#window` seconds of every series (the server sends the hour)
+  const keep = Math.round(+$("window").value / s.bucket_s);
+  const cut = (a) => a.slice(-keep);
+  const each = (o) => Object.fromEntries(Object.entries(o).map(([k, v]) => [k, cut(v)]));
+  return Object.assign({}, s, {
+    time: cut(s.time), requests_per_min: each(s.requests_per_min), greedy_share: cut(s.greedy_share),
+    degenerate_per_min: each(s.degenerate_per_min), tokens_per_s: cut(s.tokens_per_s),
+    ttft_p50_s: cut(s.ttft_p50_s), ttft_p95_s: cut(s.ttft_p95_s), kv_usage: cut(s.kv_usage),
+  });
+}
+
+function renderTraffic(all) {
+  const s = windowed(all);
   const t = s.time;
   const totals = s.totals;
   const share = totals.requests ? (100 * totals.greedy / totals.requests).toFixed(0) + "%" : "-";
@@ -226,13 +242,14 @@ function renderTraffic(s) {
   const bySource = Object.keys(s.requests_per_min);
   plot("plot-requests", bySource.length ? bySource : ["none yet"],
     [t].concat(bySource.length ? bySource.map((k) => s.requests_per_min[k]) : [t.map(() => 0)]));
-  plot("plot-greedy", ["greedy share"], [t, s.greedy_share], { range: [0, 1] });
+  // ratios, percentiles and samples are null where there is no data: points show lone values
+  plot("plot-greedy", ["greedy share"], [t, s.greedy_share], { range: [0, 1], points: true });
   const detectors = Object.keys(s.degenerate_per_min);
   plot("plot-degenerate", detectors.length ? detectors : ["none yet"],
     [t].concat(detectors.length ? detectors.map((k) => s.degenerate_per_min[k]) : [t.map(() => 0)]));
   plot("plot-tokens", ["tokens/s"], [t, s.tokens_per_s]);
-  plot("plot-ttft", ["p50", "p95"], [t, s.ttft_p50_s, s.ttft_p95_s]);
-  plot("plot-kv", ["KV usage"], [t, s.kv_usage], { range: [0, 1] });
+  plot("plot-ttft", ["p50", "p95"], [t, s.ttft_p50_s, s.ttft_p95_s], { points: true });
+  plot("plot-kv", ["KV usage"], [t, s.kv_usage], { range: [0, 1], points: true });
 }
 
 function redrawPlots() {
@@ -281,6 +298,7 @@ function renderRows() {
 }
 
 $("only-degenerate").addEventListener("change", renderRows);
+$("window").addEventListener("change", redrawPlots);
 $("only-greedy").addEventListener("change", renderRows);
 
 async function openDetail(id) {
