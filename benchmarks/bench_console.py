@@ -38,36 +38,39 @@ console = Console(stderr=True)
 
 @contextmanager
 def viewer(url: str, kind: str) -> Iterator[None]:
-    """The console open on `url` until the block ends."""
-    if kind == "poll":
-        stop = threading.Event()
+    """The console open on `url` until the block ends, from a thread of its own (Playwright's
+    sync API holds an event loop; the load runs its own)."""
+    stop, opened = threading.Event(), threading.Event()
 
-        def poll() -> None:
-            after = 0
-            with httpx.Client(base_url=url, timeout=30) as client:
-                while not stop.wait(2.0):
-                    rows = client.get(f"/v1/console/state?after={after}").json()["requests"]
-                    after = rows[-1]["id"] if rows else after
+    def poll() -> None:
+        after = 0
+        with httpx.Client(base_url=url, timeout=30) as client:
+            opened.set()
+            while not stop.wait(2.0):
+                rows = client.get(f"/v1/console/state?after={after}").json()["requests"]
+                after = rows[-1]["id"] if rows else after
 
-        thread = threading.Thread(target=poll, daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            thread.join(timeout=30)
-        return
-    from playwright.sync_api import sync_playwright
+    def browse() -> None:
+        from playwright.sync_api import sync_playwright
 
-    with sync_playwright() as p:
-        browser = launch(p)
-        page = browser.new_page(viewport={"width": 1400, "height": 1600})
-        page.goto(url + "/console")
-        page.wait_for_selector("#defaults-table tbody tr", timeout=60_000)
-        try:
-            yield
-        finally:
+        with sync_playwright() as p:
+            browser = launch(p)
+            page = browser.new_page(viewport={"width": 1400, "height": 1600})
+            page.goto(url + "/console")
+            page.wait_for_selector("#defaults-table tbody tr", timeout=60_000)
+            opened.set()
+            stop.wait()
             browser.close()
+
+    thread = threading.Thread(target=poll if kind == "poll" else browse, daemon=True)
+    thread.start()
+    if not opened.wait(120):
+        raise RuntimeError("the console did not open")
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=60)
 
 
 def main() -> None:

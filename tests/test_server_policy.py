@@ -116,6 +116,9 @@ def test_greedy_reject_answers_400(llama_dir):
         assert ask(s).sampling["source"]["temperature"] == "generation_config"  # omitted: fine
         metrics = httpx.get(f"{s.url}/metrics").text
         assert 'thermostat_policy_adjustments_total{policy="greedy_reject"} 1.0' in metrics
+        refused, served = httpx.get(f"{s.url}/v1/console/state").json()["requests"]
+        assert refused["status"] == "refused" and refused["policies"] == ["greedy_reject"]
+        assert "greedy" in refused["error"] and served["status"] == "ok"
 
 
 def test_max_queue_503_with_retry_after(llama_dir, monkeypatch):

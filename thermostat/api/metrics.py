@@ -163,6 +163,30 @@ class Metrics:
             self.adjustments.labels(adjustment.policy).inc()
         self.traffic.on_admitted(source, resolution.effective.greedy)
 
+    def on_greedy_rejected(self, endpoint: str, client: str | None, message: str) -> None:
+        """A request refused by `--greedy reject`: counted, and listed on the console."""
+        self.adjustments.labels("greedy_reject").inc()
+        refused = {"param": "temperature", "requested": 0.0, "applied": None}
+        self.traffic.record(
+            request_id="",
+            endpoint=endpoint,
+            client=client,
+            status="refused",
+            sampling={
+                "effective": {"temperature": 0.0},
+                "source": {"temperature": "request"},
+                "adjusted": [refused | {"policy": "greedy_reject"}],
+            },
+            quality={},
+            finish_reasons=[],
+            prompt_tokens=0,
+            completion_tokens=0,
+            ttft_s=None,
+            latency_s=None,
+            text=None,
+            error=message,
+        )
+
     def on_tokens(self, n: int) -> None:
         self.generation_tokens.inc(n)
         self.traffic.on_tokens(n)

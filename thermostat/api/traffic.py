@@ -47,7 +47,7 @@ class RequestRecord:
     time: float  # unix seconds, when it finished
     endpoint: str
     client: str | None  # the User-Agent
-    status: str  # ok | error | aborted
+    status: str  # ok | error | aborted | refused (by a policy)
     sampling: dict[str, Any]  # the response's `sampling` ({} if refused before resolution)
     quality: dict[str, Any]  # the response's `quality`
     finish_reasons: list[str | None]
@@ -56,6 +56,7 @@ class RequestRecord:
     ttft_s: float | None
     latency_s: float | None
     text: list[str] | None  # each choice's output, only with --console-keep-text
+    error: str | None = None  # why it was refused or failed
 
     @property
     def greedy(self) -> bool:
@@ -84,6 +85,7 @@ class RequestRecord:
             "greedy": self.greedy,
             "degenerate": self.degenerate,
             "reasons": list(self.quality.get("reasons") or []),
+            "error": self.error,
         }
 
     def detail(self) -> dict[str, Any]:

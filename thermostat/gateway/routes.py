@@ -116,8 +116,8 @@ async def _generate(
     tools = tool_constraint(body) if isinstance(body, ChatCompletionRequest) else None
     try:
         resolved = state.defaults.resolve(to_sampling_params(body, tools))
-    except GreedyRejected:
-        state.metrics.adjustments.labels("greedy_reject").inc()
+    except GreedyRejected as exc:
+        state.metrics.on_greedy_rejected(endpoint, request.headers.get("user-agent"), str(exc))
         raise
     state.metrics.on_admitted(resolved.resolution, 0)
     raw = await request.json()

@@ -27,7 +27,7 @@ from thermostat.api.protocol import (
 from thermostat.api.request_params import read_body, to_sampling_params
 from thermostat.api.responses import sse
 from thermostat.api.tools import ToolRequest
-from thermostat.sampling import SamplingParams
+from thermostat.sampling import GreedyRejected, SamplingParams
 from thermostat.sampling.fanout import Plan
 from thermostat.server.chat import chat_chunks, chat_response
 from thermostat.server.completions import completion_chunks, completion_response
@@ -101,10 +101,19 @@ async def _submit(
     state = _state(request)
     role = state.role
     client = request.headers.get("user-agent")
+
+    def plan() -> Plan:
+        try:
+            return state.serving.plan(body.model, prompts, params)
+        except APIError as err:
+            if err.info.code == GreedyRejected.code:
+                state.metrics.on_greedy_rejected(endpoint, client, err.info.message)
+            raise
+
     if isinstance(role, PrefillRole):
         rooms = Rooms.of(body)
         try:
-            planned = _disaggregated(state.serving.plan(body.model, prompts, params))
+            planned = _disaggregated(plan())
             job = await state.serving.submit(
                 endpoint, prompts, planned, handoff=True, client=client
             )
@@ -113,7 +122,7 @@ async def _submit(
             role.fail(rooms, choices, "prefill_refused", f"{err.status}: {err.info.message}")
             raise
         return JSONResponse(await role.serve(job, rooms, request))
-    planned = state.serving.plan(body.model, prompts, params)
+    planned = plan()
     if role is None:
         return await state.serving.submit(endpoint, prompts, planned, client=client)
     handoffs, extra = await role.fetch(Rooms.of(body), _disaggregated(planned), request)

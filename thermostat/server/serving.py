@@ -29,7 +29,6 @@ from thermostat.engine.outputs import Completion, RequestDelta
 from thermostat.engine.steps import Handoff, TokenLogprobs
 from thermostat.quality import quality_report
 from thermostat.sampling import (
-    GreedyRejected,
     Resolution,
     SamplingDefaults,
     SamplingParams,
@@ -255,8 +254,6 @@ class Serving:
             ids = [p.token_ids for p in prompts]
             return plan(resolution, ids, self.context_len, params.n or 1)
         except Exception as exc:
-            if isinstance(exc, GreedyRejected):
-                self.metrics.adjustments.labels("greedy_reject").inc()
             raise classify(exc) from exc
 
     async def submit(

@@ -279,9 +279,14 @@ function renderRows() {
   const shown = state.rows.filter((r) => (!onlyDegenerate || r.degenerate) && (!onlyGreedy || r.greedy));
   $("requests-count").textContent = "(" + shown.length + " shown of the last " + state.rows.length + ")";
   $("requests-table").tBodies[0].replaceChildren(...shown.slice().reverse().map((r) => {
-    const quality = r.degenerate
-      ? el("td", { className: "bad reasons" }, "DEGENERATE: " + r.reasons.join("; "))
-      : el("td", { className: r.status === "ok" ? "good" : "warn" }, r.status === "ok" ? "ok" : r.status);
+    let quality;
+    if (r.degenerate) {
+      quality = el("td", { className: "bad reasons" }, "DEGENERATE: " + r.reasons.join("; "));
+    } else if (r.error) {
+      quality = el("td", { className: "warn reasons" }, r.status.toUpperCase() + ": " + r.error);
+    } else {
+      quality = el("td", { className: r.status === "ok" ? "good" : "warn" }, r.status);
+    }
     const row = el("tr", {},
       el("td", {}, clock(r.time)), el("td", {}, r.endpoint), el("td", {}, show(r.client)),
       el("td", {}, sampled(r.sampling.temperature), r.greedy ? " (greedy)" : ""),
