@@ -131,8 +131,11 @@ def test_console_routes_behind_the_key_and_refusals() -> None:
         )
         missing = httpx.get(url + "/v1/console/requests/99", headers=key)
         assert missing.status_code == 404 and "not among the last" in missing.text
-        diag = httpx.post(url + "/v1/console/diagnose", headers=key, json={"cells": 3})
-        assert diag.status_code == 400 and "diagnose" in diag.text
+        for bad in ({"cells": 3}, "not json"):
+            diag = httpx.post(url + "/v1/console/diagnose", headers=key, content=json.dumps(bad))
+            assert diag.status_code == 400, diag.text
+        diag = httpx.post(url + "/v1/console/diagnose", headers=key, content=b"{")
+        assert diag.status_code == 400, diag.text
         assert httpx.get(url + "/v1/console/state", headers=key).json()["diagnose"] is None
 
 

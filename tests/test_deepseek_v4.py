@@ -180,25 +180,25 @@ def test_rows_hand_off_between_engines(tmp_path, kind, kv_cache_dtype):
 def test_fp8_cache_stays_close_to_full_precision(tmp_path):
     """fp8_e4m3 window rows, entries and index keys (the rope parts and compressor state stay in
     the model dtype) vs a float32 cache: next-token distributions at every prompt position, in
-    8-token chunks and one token per step. At a quarter of the usual init scale: at 0.2 the
-    random model is chaotic (the indexer's top-k and the routing are discrete, a bfloat16 cache
-    alone flips top-1 choices by margins of 1.5 nats), which would measure the model, not the
-    cache."""
+    8-token chunks and one token per step (bfloat16 for scale, in chunks only). At a quarter of
+    the usual init scale: at 0.2 the random model is chaotic (the indexer's top-k and the
+    routing are discrete, a bfloat16 cache alone flips top-1 choices by margins of 1.5 nats),
+    which would measure the model, not the cache."""
     path = write_model(tmp_path / "v4", "deepseek_v4", initializer_range=0.05)
     long_prompts = [list(range(1, 200, 3))]
     report = {}
-    for chunk in (8, 1):
+    for chunk, dtypes in ((8, ("bfloat16", "fp8_e4m3")), (1, ("fp8_e4m3",))):
         runs = {}
-        for kv in ("float32", "bfloat16", "fp8_e4m3"):
+        for kv in ("float32", *dtypes):
             llm = LLM(str(path), dtype="float32", kv_cache_dtype=kv, max_num_batched_tokens=chunk)
             runs[kv] = torch.cat(prompt_logprobs(llm, long_prompts, VOCAB))
-        for kv in ("bfloat16", "fp8_e4m3"):
+        for kv in dtypes:
             report[kv, chunk] = compare(runs["float32"], runs[kv])
     print(f"DeepSeek-V4 KV vs float32 (agreement, mean KL, largest flipped margin): {report}")
     for chunk in (8, 1):
         agree, kl_mean, worst_margin = report["fp8_e4m3", chunk]
         assert agree >= 0.85 and kl_mean < 0.02 and worst_margin < 1.0
-        assert report["bfloat16", chunk][1] < kl_mean
+    assert report["bfloat16", 8][1] < report["fp8_e4m3", 8][1]  # the cheaper cache costs more
 
 
 def test_official_fp8_mxfp4_checkpoint_equals_transformers_on_its_dequantized_weights(tmp_path):

@@ -13,7 +13,9 @@
 | POST /v1/console/diagnose      | required | keeps a `thermostat diagnose --json` result to show  |
 
 The page holds no data: everything it shows comes from /v1/console/*, behind `--api-key` like the
-rest of the API (the page asks for the key and keeps it in the tab's sessionStorage).
+rest of the API (the page asks for the key and keeps it in the tab's sessionStorage). These
+routes are the page's own, not the OpenAI surface: /openapi.json leaves them out (so the fuzzer
+does not spend its budget there; tests/test_console.py sends them bad input).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any, Protocol
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, RedirectResponse
+from pydantic import BaseModel, ConfigDict
 
 from thermostat.api.config import EdgeConfig
 from thermostat.api.errors import APIError
@@ -98,7 +101,7 @@ async def asset(name: str) -> FileResponse:
     return FileResponse(path, media_type=ASSET_TYPES[path.suffix])
 
 
-@router.get("/v1/console/state")
+@router.get("/v1/console/state", include_in_schema=False)
 async def state(request: Request, after: int = 0) -> dict[str, Any]:
     host, records = _host(request), _records(request)
     host.console_sample()
@@ -116,7 +119,7 @@ async def state(request: Request, after: int = 0) -> dict[str, Any]:
     }
 
 
-@router.get("/v1/console/requests/{record_id}")
+@router.get("/v1/console/requests/{record_id}", include_in_schema=False)
 async def request_detail(request: Request, record_id: int) -> dict[str, Any]:
     record = _host(request).metrics.traffic.find(record_id)
     if record is None:
@@ -128,7 +131,7 @@ async def request_detail(request: Request, record_id: int) -> dict[str, Any]:
     return record.detail()
 
 
-@router.post("/v1/console/check")
+@router.post("/v1/console/check", include_in_schema=False)
 async def check(request: Request) -> dict[str, Any]:
     """`thermostat verify`'s checks, run from this process against its own address."""
     host, records = _host(request), _records(request)
@@ -143,19 +146,19 @@ async def check(request: Request) -> dict[str, Any]:
     return records.check
 
 
-@router.post("/v1/console/diagnose")
-async def keep_diagnose(request: Request) -> dict[str, Any]:
+class DiagnoseResult(BaseModel):
+    """`thermostat diagnose --json`'s output (cells as it writes them)."""
+
+    model_config = ConfigDict(extra="allow")
+    cause: str
+    explanation: str = ""
+    cells: list[dict[str, Any]]
+
+
+@router.post("/v1/console/diagnose", include_in_schema=False)
+async def keep_diagnose(result: DiagnoseResult, request: Request) -> dict[str, Any]:
     """Keeps what `thermostat diagnose --url` found (it posts its --json result here)."""
-    body = await request.json()
-    if not (
-        isinstance(body, dict)
-        and isinstance(body.get("cause"), str)
-        and isinstance(body.get("cells"), list)
-    ):
-        raise APIError(
-            400, "expected a `thermostat diagnose --json` result: {cause, explanation, cells}"
-        )
-    _records(request).diagnose = body | {"time": time.time()}
+    _records(request).diagnose = result.model_dump() | {"time": time.time()}
     return {"kept": True}
 
 
