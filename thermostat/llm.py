@@ -49,8 +49,11 @@ class GenerationOutput:
 
     @property
     def sampling(self) -> dict[str, Any]:
-        """effective values, the source of each, policy adjustments (the HTTP `sampling` shape)."""
-        return self.resolution.to_dict()
+        """effective values, the source of each, policy adjustments (the HTTP `sampling` shape),
+        and what speculation did for the first completion when it is on."""
+        speculative = self.completions[0].speculative
+        extra = {} if speculative is None else {"speculative": speculative}
+        return self.resolution.to_dict() | extra
 
 
 class LLM:

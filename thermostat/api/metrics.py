@@ -121,6 +121,16 @@ class Metrics:
             registry=r,
         )
 
+        self.spec_proposed = Counter(
+            "thermostat_speculative_proposed_tokens",
+            "Tokens proposed by speculative decoding (--speculative) and checked by the model",
+            registry=r,
+        )
+        self.spec_accepted = Counter(
+            "thermostat_speculative_accepted_tokens",
+            "Proposed tokens the model confirmed (each saved a decode step)",
+            registry=r,
+        )
         self.defaults_warning = Gauge(
             "thermostat_defaults_warning",
             "1 for each kind of warning the startup report gives about the sampling defaults",
@@ -186,6 +196,11 @@ class Metrics:
             text=None,
             error=message,
         )
+
+    def on_speculation(self, stats: dict[str, Any]) -> None:
+        """A finished choice's speculation: tokens proposed and confirmed."""
+        self.spec_proposed.inc(int(stats["proposed"]))
+        self.spec_accepted.inc(int(stats["accepted"]))
 
     def on_tokens(self, n: int) -> None:
         self.generation_tokens.inc(n)

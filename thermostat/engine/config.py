@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from thermostat.engine.speculative import SpeculativeConfig
+
 QUANTIZATIONS = ("int8", "int4")  # weight formats `quantization` takes (models.quant.FORMATS)
 
 
@@ -23,6 +25,9 @@ class EngineConfig:
     stop_on_loop: bool = False  # end a generation once its text certainly ends in a loop
     cpu_kernels: bool = True  # compiled decode kernels where the CPU has them (thermostat.kernels)
     quantization: str | None = None  # int8 | int4: weights quantized at load; None: the dtype
+    speculative: str = "off"  # off | ngram: prompt-lookup speculation (engine/speculative.py)
+    speculative_k: int = 4  # tokens proposed per step at most
+    speculative_ngram: int = 3  # the longest suffix looked up
 
     def __post_init__(self) -> None:
         checks = {
@@ -34,6 +39,11 @@ class EngineConfig:
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        self.speculation  # noqa: B018 (validates the speculative fields)
+
+    @property
+    def speculation(self) -> SpeculativeConfig:
+        return SpeculativeConfig(self.speculative, self.speculative_k, self.speculative_ngram)
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int  # token budget of one step
     max_model_len: int
     enable_prefix_caching: bool
+    speculation: SpeculativeConfig = SpeculativeConfig()
 
     @classmethod
     def of(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
@@ -52,4 +63,5 @@ class SchedulerConfig:
             config.max_num_batched_tokens,
             max_model_len,
             config.enable_prefix_caching,
+            config.speculation,
         )

@@ -96,6 +96,22 @@ class LLMEngine:
             spec.dtype,
             kernels.status() if config.cpu_kernels else "off (cpu_kernels=False)",
         )
+        speculation = config.speculation
+        if speculation.on and not self.scheduler.speculation.on:
+            log.warning(
+                "speculative decoding (%s) is off: a cache with window pools (%s) keeps state "
+                "a rejected proposal would change",
+                speculation.method,
+                arch.architecture,
+            )
+        elif speculation.on:
+            log.info(
+                "speculative decoding: %s, up to %d tokens proposed per step (n-grams up to %d), "
+                "for greedy requests",
+                speculation.method,
+                speculation.k,
+                speculation.ngram,
+            )
         log.info(
             "weights: %s from %s, %.1f MB%s",
             self.loaded.weight_format,
@@ -246,6 +262,8 @@ class LLMEngine:
         new_logprobs = None
         if req.params.logprobs is not None:
             new_logprobs = [result.logprobs[req.req_id]] if req.req_id in result.logprobs else []
+            new_logprobs += result.speculated_logprobs.get(req.req_id, [])
+            new_logprobs = new_logprobs[: len(new_tokens)]
         if req.finished:
             del self._emitting[req.req_id]
         return RequestDelta(
@@ -258,7 +276,20 @@ class LLMEngine:
             prompt_logprobs=e.prompt_logprobs if first else None,
             num_cached_tokens=req.num_cached_tokens,
             handoff=self._handoff(req, result, e.prompt_logprobs),
+            speculative=self._speculative(req),
         )
+
+    def _speculative(self, req: Request) -> dict[str, int | str] | None:
+        """`sampling.speculative` of a request so far (None: speculation is off)."""
+        spec = self.scheduler.speculation
+        if not spec.on:
+            return None
+        return {
+            "method": spec.method,
+            "k": spec.k,
+            "proposed": req.num_proposed,
+            "accepted": req.num_accepted,
+        }
 
     def _handoff(
         self,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from thermostat.engine.sampler import SamplingBatch, logprobs_of, sample_batch
+from thermostat.engine.speculative import accepted
 from thermostat.engine.steps import (
     NewRequestData,
     RunnerOutput,
@@ -46,25 +47,15 @@ class ModelRunner:
         result = RunnerOutput()
         for scheduled in out.handoffs:
             self._load_handoff(scheduled, result)
-        # Decodes (one token) first, batched; then prefill chunks. A request loaded from a handoff
-        # has a chunk of no tokens: its first token came with its rows.
-        chunks = sorted((c for c in out.chunks if c.token_ids), key=lambda c: len(c.token_ids) != 1)
+        # Decode rows first, batched: a decode (one token) or a speculating request's tokens (one
+        # row each); then prefill chunks. A request loaded from a handoff has a chunk of no
+        # tokens: its first token came with its rows.
+        chunks = sorted((c for c in out.chunks if c.token_ids), key=lambda c: not _decode_rows(c))
         if not chunks:
             return result
         input_ids, positions, meta = self._prepare(chunks)
         hidden = self.model(input_ids, positions, meta, self.cache)
-
-        ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0) - 1
-        sampling = [i for i, c in enumerate(chunks) if c.sample]
-        if sampling:
-            logits = self.model.compute_logits(hidden[ends[sampling]])
-            picked = [chunks[i] for i in sampling]
-            sampled = sample_batch(logits, self._sampling_batch(picked))
-            for chunk, token, lp in zip(picked, sampled.token_ids, sampled.logprobs, strict=True):
-                self.requests[chunk.req_id].output_token_ids.append(token)
-                result.sampled[chunk.req_id] = token
-                if lp is not None:
-                    result.logprobs[chunk.req_id] = lp
+        self._sample(chunks, hidden, result)
         offset = 0
         for chunk in chunks:
             n = len(chunk.token_ids)
@@ -75,6 +66,44 @@ class ModelRunner:
                 )
             offset += n
         return result
+
+    def _sample(
+        self, chunks: list[ScheduledChunk], hidden: torch.Tensor, out: RunnerOutput
+    ) -> None:
+        """The next token of every chunk that catches up: scored at its last row, or at every row
+        of a speculating chunk (its proposals are accepted while the model agrees)."""
+        rows: list[int] = []  # hidden rows to score
+        picked: list[ScheduledChunk] = []  # the chunk of each scored row
+        scoring: list[tuple[ScheduledChunk, int]] = []  # each sampling chunk and its rows
+        offset = 0
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            if chunk.sample:
+                scored = range(offset, offset + n) if chunk.proposed else [offset + n - 1]
+                rows.extend(scored)
+                picked.extend([chunk] * len(scored))
+                scoring.append((chunk, len(scored)))
+            offset += n
+        if not rows:
+            return
+        logits = self.model.compute_logits(hidden[torch.tensor(rows)])
+        sampled = sample_batch(logits, self._sampling_batch(picked))
+        at = 0
+        for chunk, width in scoring:
+            tokens = sampled.token_ids[at : at + width]
+            logprobs = sampled.logprobs[at : at + width]
+            at += width
+            keep = 1 + accepted(chunk.proposed, tokens)  # t0, then the confirmed proposals' next
+            self.requests[chunk.req_id].output_token_ids.extend(tokens[:keep])
+            out.sampled[chunk.req_id] = tokens[0]
+            if logprobs[0] is not None:
+                out.logprobs[chunk.req_id] = logprobs[0]
+            if chunk.proposed:
+                out.speculated[chunk.req_id] = tokens[1:keep]
+                if logprobs[0] is not None:
+                    out.speculated_logprobs[chunk.req_id] = [
+                        lp for lp in logprobs[1:keep] if lp is not None
+                    ]
 
     def _load_handoff(self, scheduled: ScheduledHandoff, result: RunnerOutput) -> None:
         """Another engine's prefill: its rows into this cache, its first token as this step's
@@ -132,7 +161,7 @@ class ModelRunner:
             input_ids.extend(c.token_ids)
             positions.extend(range(c.start, c.start + len(c.token_ids)))
         pos = torch.tensor(positions, dtype=torch.int64)
-        decodes = [c for c in chunks if len(c.token_ids) == 1]
+        decodes = [c for c in chunks if _decode_rows(c)]
         tables = self._block_tables([c.block_table for c in chunks])
         owner = torch.repeat_interleave(
             torch.arange(len(chunks)), torch.tensor([len(c.token_ids) for c in chunks])
@@ -144,15 +173,19 @@ class ModelRunner:
         )
         window_slots = tuple(t[owner, pos // bs] * bs + pos % bs for t in window_tables)
 
-        nd = len(decodes)
-        context_lens = torch.tensor([c.start + 1 for c in decodes], dtype=torch.int64)
+        # one decode row per token of a decode chunk, each attending up to its own position
+        decode_owner = [i for i, c in enumerate(decodes) for _ in c.token_ids]
+        nd = len(decode_owner)
+        context_lens = torch.tensor(
+            [c.start + j + 1 for c in decodes for j in range(len(c.token_ids))], dtype=torch.int64
+        )
         num_blocks = (int(context_lens.max()) + bs - 1) // bs if nd else 0
         ctx_pos = torch.arange(num_blocks * bs)
         decode_mask = ctx_pos[None, :] < context_lens[:, None]
         if self.sliding_window is not None:
             decode_mask &= ctx_pos[None, :] > context_lens[:, None] - 1 - self.sliding_window
         prefills = []
-        for i, c in enumerate(chunks[nd:], start=nd):
+        for i, c in enumerate(chunks[len(decodes) :], start=len(decodes)):
             q_len, ctx_len = len(c.token_ids), c.start + len(c.token_ids)
             table = tables[i : i + 1, : (ctx_len + bs - 1) // bs]
             prefills.append(
@@ -161,7 +194,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             num_decodes=nd,
-            decode_block_tables=tables[:nd, :num_blocks].contiguous(),
+            decode_block_tables=tables[decode_owner, :num_blocks].contiguous(),
             decode_context_lens=context_lens,
             decode_mask=decode_mask[:, None, None, :],
             prefills=prefills,
@@ -187,3 +220,8 @@ class ModelRunner:
     def _block_tables(tables: list[list[int]]) -> torch.Tensor:
         width = max(len(t) for t in tables)
         return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+
+
+def _decode_rows(chunk: ScheduledChunk) -> bool:
+    """A chunk computed as decode rows: one token, or a speculating request's tokens."""
+    return len(chunk.token_ids) == 1 or bool(chunk.proposed)

@@ -33,6 +33,8 @@ class RequestDelta:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # first delta only; [0] is None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     handoff: Handoff | None = None  # a handoff request's last delta: what it hands over
+    # speculation so far: {"method", "k", "proposed", "accepted"} (None: off)
+    speculative: dict[str, int | str] | None = None
 
     @property
     def finished(self) -> bool:
@@ -48,6 +50,7 @@ class Completion:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per generated token, when asked
+    speculative: dict[str, int | str] | None = None  # the last delta's (None: off)
 
     def add(self, delta: RequestDelta) -> None:
         self.text += delta.new_text
@@ -58,6 +61,7 @@ class Completion:
             self.logprobs.extend(delta.new_logprobs)
         self.finish_reason = delta.finish_reason
         self.stop_reason = delta.stop_reason
+        self.speculative = delta.speculative
 
     @property
     def finished(self) -> bool:

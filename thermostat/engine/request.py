@@ -49,6 +49,9 @@ class Request:
     handoff: bool = False
     handoff_slots: list[list[int]] | None = None
     from_handoff: Handoff | None = None
+    # speculation (engine/speculative.py): tokens proposed and confirmed so far
+    num_proposed: int = 0
+    num_accepted: int = 0
 
     @property
     def max_tokens(self) -> int:

@@ -17,6 +17,13 @@ from thermostat.engine.block_manager import BlockManager
 from thermostat.engine.config import SchedulerConfig
 from thermostat.engine.kv_blocks import KVBlocks, PrefixHit
 from thermostat.engine.request import Request, RequestStatus
+from thermostat.engine.speculative import (
+    MAX_RUNNING,
+    SpeculativeConfig,
+    eligible,
+    keeps_proposing,
+    propose,
+)
 from thermostat.engine.steps import (
     NewRequestData,
     RunnerOutput,
@@ -38,6 +45,10 @@ class Scheduler:
         self._known_to_runner: set[str] = set()
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        # speculation needs a cache whose rows past the computed tokens nothing else reads: not
+        # one with window pools (engine/speculative.py)
+        spec = config.speculation
+        self.speculation = spec if spec.on and len(self.blocks.pools) == 1 else SpeculativeConfig()
 
     @property
     def block_size(self) -> int:
@@ -93,6 +104,17 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_behind, budget)
+            proposed = self._proposal(req, budget) if req.num_behind == 1 else []
+            if proposed and self.blocks.allocate(
+                req.req_id, req.num_computed_tokens + 1 + len(proposed)
+            ):  # room for the proposals too (no request is preempted for them)
+                chunk = self._chunk(req, 1)
+                chunk.token_ids.extend(proposed)
+                chunk.proposed = proposed
+                out.chunks.append(chunk)
+                budget -= len(chunk.token_ids)
+                i += 1
+                continue
             if not self._reserve(req, n):
                 preempted = True
                 break
@@ -130,6 +152,29 @@ class Scheduler:
             out.chunks.append(self._chunk(req, n))
             budget -= n
         return out
+
+    def _proposal(self, req: Request, budget: int) -> list[int]:
+        """The tokens a decoding request proposes to check this step (none if it does not
+        speculate, or has no room: its budget, max_tokens and the context each take the model's
+        own next token too)."""
+        spec = self.speculation
+        if (
+            not spec.on
+            or len(self.running) > MAX_RUNNING
+            or req.handoff
+            or not eligible(req.params, req.num_output_tokens)
+            or not keeps_proposing(req.num_proposed, req.num_accepted)
+        ):
+            return []
+        room = min(
+            spec.k,
+            budget - 1,
+            req.max_tokens - req.num_output_tokens - 1,
+            self.config.max_model_len - req.num_tokens - 1,
+        )
+        if room <= 0:
+            return []
+        return propose(req.prompt_token_ids + req.output_token_ids, spec.ngram, room)
 
     def _reserve(self, req: Request, n: int) -> bool:
         """Blocks for n more tokens of `req`, preempting from the tail of `running` as needed.
@@ -188,7 +233,13 @@ class Scheduler:
             req = self.requests.get(chunk.req_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted meanwhile
-            req.num_computed_tokens += len(chunk.token_ids)
+            more = result.speculated.get(req.req_id, [])  # proposals confirmed, then the next
+            if chunk.proposed:  # the rows of the last token and the confirmed proposals hold
+                req.num_computed_tokens += 1 + len(more)
+                req.num_proposed += len(chunk.proposed)
+                req.num_accepted += len(more)
+            else:
+                req.num_computed_tokens += len(chunk.token_ids)
             ending: tuple[str, str | int | None] | None = None
             token = result.sampled.get(req.req_id)
             if token is not None:
@@ -198,6 +249,11 @@ class Scheduler:
                     ending = ("handoff", None)
                 else:
                     ending = self._ending(req, token)
+                for extra in more:  # each as if it came in a step of its own
+                    if ending is not None:
+                        break
+                    req.output_token_ids.append(extra)
+                    ending = self._ending(req, extra)
             elif not chunk.sample and req.num_behind == 0:
                 ending = ("length", None)  # max_tokens == 0: prompt only (echo with logprobs)
             if self.config.enable_prefix_caching:

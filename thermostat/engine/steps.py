@@ -69,6 +69,8 @@ class ScheduledChunk:
     banned_token_ids: tuple[int, ...] = ()
     allowed_tokens: Bitmask | None = None  # a constrained request's next token (engine/constraint)
     window_tables: list[list[int]] = field(default_factory=list)  # pools 1.. (engine/kv_blocks)
+    # speculation: token_ids is [last token] + proposed; each is computed as a decode row
+    proposed: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -97,5 +99,9 @@ class SchedulerOutput:
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # a speculating request's tokens after `sampled`: the proposals the model confirmed, then its
+    # own next token (engine/speculative.py); and their logprobs when asked for
+    speculated: dict[str, list[int]] = field(default_factory=dict)
+    speculated_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # prompt position -> logprobs of the prompt token at that position (position >= 1)
     prompt_logprobs: dict[str, dict[int, TokenLogprobs]] = field(default_factory=dict)

@@ -9,7 +9,8 @@ from prometheus_client import Counter, Histogram
 from thermostat.api.metrics import LATENCY_BUCKETS, Metrics
 
 ENGINE_ONLY = ("kv_usage", "prefix_hit_rate", "waiting", "handoffs", "handoff_bytes",
-               "handoff_wait", "rooms_parked", "itl", "prompt_tokens")  # fmt: skip
+               "handoff_wait", "rooms_parked", "itl", "prompt_tokens", "spec_proposed",
+               "spec_accepted")  # fmt: skip
 
 
 class GatewayMetrics(Metrics):

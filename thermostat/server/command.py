@@ -19,6 +19,7 @@ from thermostat.api.config import edge_options
 from thermostat.api.lifecycle import DrainingServer, serve_until_stopped
 from thermostat.api.tool_parsers import PARSERS
 from thermostat.engine.config import QUANTIZATIONS, EngineConfig
+from thermostat.engine.speculative import METHODS
 from thermostat.server.config import ServerConfig
 
 HELP = "serve a model over the OpenAI API"
@@ -55,6 +56,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         help="serve the weights in int8 (blocks of 32, q8_0's arithmetic) or int4 (4-bit, "
         "blocks of 32), quantized at load (default: as the checkpoint stores them)",
+    )
+    e.add_argument(
+        "--speculative",
+        choices=METHODS,
+        default=ENGINE_DEFAULTS.speculative,
+        help="ngram: greedy requests propose the tokens that followed their last n-gram earlier "
+        "in the prompt or output, and the model checks them in one step (same output, fewer "
+        "steps where text repeats)",
+    )
+    e.add_argument(
+        "--speculative-k",
+        type=int,
+        default=ENGINE_DEFAULTS.speculative_k,
+        metavar="K",
+        help="tokens proposed per step at most",
     )
     e.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS.max_num_seqs)
     e.add_argument(
@@ -118,6 +134,8 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         num_threads=args.num_threads,
         stop_on_loop=args.stop_on_loop,
+        speculative=args.speculative,
+        speculative_k=args.speculative_k,
     )
     return ServerConfig(
         engine=engine,

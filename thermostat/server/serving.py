@@ -78,8 +78,12 @@ class Job:
         return self.stream.queued[index].resolution
 
     def sampling(self, index: int = 0) -> dict[str, Any]:
-        """The `sampling` object of choice `index` (choice 0's is the response's)."""
-        return self.resolution(index).to_dict() | self.sampling_extra
+        """The `sampling` object of choice `index` (choice 0's is the response's), with what
+        speculation did for it when it is on."""
+        choice = self.choices.get(index)
+        spec = None if choice is None else choice.speculative
+        extra = {} if spec is None else {"speculative": spec}
+        return self.resolution(index).to_dict() | self.sampling_extra | extra
 
     def usage(self) -> Usage:
         """Tokens so far: each prompt once (and its prefix-cache hits, as its first sample
@@ -174,6 +178,8 @@ class Job:
                 self.metrics.itl.observe(now - last)
             self._last_token[index] = now
         if delta.finished:
+            if delta.speculative is not None:
+                self.metrics.on_speculation(delta.speculative)
             report = quality_report(choice.text)
             self.quality[index] = report
             self.metrics.on_quality(report)
