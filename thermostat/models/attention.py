@@ -4,7 +4,9 @@ Token order in a step's flat batch (T tokens):
 
 | rows                     | what                                                  |
 |--------------------------|-------------------------------------------------------|
-| [0, num_decodes)         | one new token per decoding sequence, batched          |
+| [0, num_decodes)         | decode rows, batched: one per decoding sequence, or   |
+|                          | one per token a speculating sequence checks, each     |
+|                          | attending up to its own position (its context length) |
 | [num_decodes, T)         | prefill chunks, one segment per sequence, in order    |
 """
 
