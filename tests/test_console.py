@@ -295,3 +295,21 @@ def test_api_key_page_shows_nothing_until_the_key(browser: Any) -> None:
         page.wait_for_selector("#main:not([hidden])")
         page.wait_for_selector("#defaults-table tbody tr")
         assert page.evaluate("sessionStorage.getItem('thermostat.apiKey')") == "s3cret"
+
+
+def test_gateway_page_shows_its_upstream(browser: Any) -> None:
+    from tests.test_gateway import running_gateway
+
+    with (
+        running_server(DEMO_MODEL_DIR) as upstream,
+        running_gateway(upstream.url, sampling_defaults={"temperature": 0.7}) as url,
+    ):
+        page, errors = open_console(browser, url)
+        page.wait_for_selector("#defaults-table tbody tr")
+        facts = page.locator("#facts").inner_text()
+        assert "thermostat gateway" in facts and upstream.url in facts and "thermostat" in facts
+        assert defaults_table(page)["temperature"] == ("0.7", "operator")
+        assert "no engine" in page.locator("#kv-caption").inner_text()
+        httpx.post(f"{url}/v1/completions", json={"prompt": "The king", "max_tokens": 8})
+        page.wait_for_function("document.querySelectorAll('#requests-table tbody tr').length === 1")
+        assert errors == []

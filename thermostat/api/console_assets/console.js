@@ -93,6 +93,9 @@ async function refresh() {
   renderCheck(data.check);
   renderDiagnose(data.diagnose);
   renderTraffic(data.series);
+  if (data.facts.server === "thermostat gateway") {
+    $("kv-caption").textContent = "KV cache usage: none here (a gateway has no engine; the upstream's metrics have it)";
+  }
   addRows(data.requests);
   $("text-kept").textContent = data.keeps_text
     ? "(output text kept: --console-keep-text)"
