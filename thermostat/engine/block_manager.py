@@ -28,7 +28,6 @@ import struct
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import overload
 
 BLOCK_HASH_BYTES = 16
 PLACEHOLDER = -1  # a table position without a block
@@ -67,40 +66,6 @@ class Block:
     hash: bytes | None = None  # set once the block is full and registered in the prefix cache
 
 
-class Blocks(Sequence[Block]):
-    """The pool's blocks, each made the first time it is looked at: a cache of a million small
-    blocks (a tiny model's 1 GB) is ready at once instead of after seconds of making objects."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self._items: list[Block | None] = [None] * num_blocks
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    @overload
-    def __getitem__(self, i: int) -> Block: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[Block]: ...
-    def __getitem__(self, i: int | slice) -> Block | list[Block]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self._items)))]
-        block = self._items[i]
-        if block is None:
-            block = self._items[i] = Block(i % len(self._items))
-        return block
-
-    def __setitem__(self, i: int, block: Block) -> None:
-        self._items[i] = block
-
-    def __eq__(self, other: object) -> bool:
-        """Block by block (a block not made yet equals a fresh one)."""
-        if not isinstance(other, Blocks) or len(other) != len(self):
-            return NotImplemented
-        return all(self[i] == other[i] for i in range(len(self)))
-
-    __hash__ = None  # type: ignore[assignment]
-
-
 class BlockManager:
     """Allocates KV-cache blocks to requests and shares full blocks through a prefix cache.
 
@@ -119,7 +84,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = Blocks(num_blocks)
+        self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
         # Free queue, front = next to be handed out. OrderedDict gives O(1) removal on revival.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._hash_to_block: dict[bytes, int] = {}
