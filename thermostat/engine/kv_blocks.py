@@ -181,13 +181,23 @@ class KVBlocks:
                 raise AssertionError(f"tables: {req_id!r} has tables of lengths {lengths}")
 
 
+# the main pool holds at most this many times what every running sequence at full length holds
+MAIN_POOL_HEADROOM = 2
+
+
 def size_pools(
-    spec: KVCacheSpec, memory_bytes: int, max_num_seqs: int, max_num_batched_tokens: int
+    spec: KVCacheSpec,
+    memory_bytes: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
 ) -> list[int]:
     """Blocks per pool. A window pool gets twice what max_num_seqs sequences hold between steps
     (`spec.window_blocks`) plus a prefill chunk (max_num_batched_tokens / bs + max_num_seqs
     blocks), scaled down to half the memory if that is more, but never below what one
-    sequence's window and chunk need; the main pool gets the rest."""
+    sequence's window and chunk need; the main pool gets the rest, up to twice what
+    max_num_seqs sequences of max_model_len tokens hold (`MAIN_POOL_HEADROOM`): memory past that
+    would only ever keep old prefixes, and a tiny model's 1 GB would be millions of blocks."""
     bs = spec.block_size
     chunk = -(-max_num_batched_tokens // bs) + max_num_seqs
     wanted, least = [], []
@@ -200,4 +210,5 @@ def size_pools(
     scale = min(1.0, memory_bytes / 2 / total) if total else 1.0
     sizes = [max(lo, int(n * scale)) for n, lo in zip(wanted, least, strict=True)]
     used = sum(n * b for n, b in zip(sizes, per_block, strict=True))
-    return [spec.num_blocks_for(max(memory_bytes - used, 0)), *sizes]
+    most = MAIN_POOL_HEADROOM * max_num_seqs * -(-max_model_len // bs)
+    return [min(spec.num_blocks_for(max(memory_bytes - used, 0)), most), *sizes]

@@ -69,6 +69,7 @@ class LLMEngine:
             int(config.kv_cache_memory_gb * 2**30),
             config.max_num_seqs,
             config.max_num_batched_tokens,
+            self.loaded.max_model_len,
         )
         num_blocks = pools[0]
         self.cache = PagedKVCache(spec, pools, self.loaded.dtype, self.loaded.ops)

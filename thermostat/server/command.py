@@ -80,7 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-cache-memory-gb",
         type=float,
         default=ENGINE_DEFAULTS.kv_cache_memory_gb,
-        help="memory for K/V; sets the number of KV blocks",
+        help=(
+            "memory for K/V; sets the number of KV blocks (at most twice what --max-num-seqs "
+            "sequences of the full context hold)"
+        ),
     )
     e.add_argument("--max-model-len", type=int, help="default: the model's context length")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
