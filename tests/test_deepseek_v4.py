@@ -153,7 +153,9 @@ def test_preemption_equals_no_preemption(v4):
         low, high = (mid + 1, high) if size_pools(spec, mid, 64, 16, 2**20)[0] < 24 else (low, mid)
     config = {"dtype": "float32", "block_size": 4, "max_num_batched_tokens": 16}
     llm = LLM(str(path), kv_cache_memory_gb=low / 2**30, **config)
-    assert llm.engine.cache.pool_blocks == tuple(size_pools(spec, low, 64, 16, llm.engine.loaded.max_model_len))
+    assert llm.engine.cache.pool_blocks == tuple(
+        size_pools(spec, low, 64, 16, llm.engine.loaded.max_model_len)
+    )
     assert llm.engine.blocks.num_blocks == 24 and len(llm.engine.blocks.pools) > 2
     assert greedy_tokens(llm) == alone
     assert llm.engine.scheduler.num_preemptions > 0

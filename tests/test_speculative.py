@@ -1,13 +1,19 @@
-"""Speculative decoding by prompt lookup (issue 22, first part: greedy requests). With it on, a
-greedy request's output and logprobs are the same bits as with it off, in every setting the
-engine has; what it did is reported."""
+"""Speculative decoding by prompt lookup (issue 22). With it on, a greedy request's output and
+logprobs are the same bits as with it off, in every setting the engine has; a seeded request's
+output is the same tokens; unseeded sampled output has the same distribution (a chi-square test
+per sampling setting, proposals forced to hit and to miss); what it did is reported."""
 
 from __future__ import annotations
+
+import dataclasses
+from collections import Counter
 
 import httpx
 import pytest
 import torch
+from scipy.stats import chi2_contingency
 
+import thermostat.engine.scheduler as scheduler_module
 from tests.conftest import write_model
 from tests.server_utils import running_server
 from thermostat import LLM, SamplingParams
@@ -21,6 +27,7 @@ from thermostat.engine.speculative import (
     keeps_proposing,
     propose,
 )
+from thermostat.sampling.structured import StructuredOutput
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
 # Prompts whose text repeats (something to look up) and one that does not.
@@ -58,7 +65,7 @@ def test_low_acceptance_stops_proposals_and_bad_settings_are_refused() -> None:
     assert keeps_proposing(PATIENCE * 4, PATIENCE)
     with pytest.raises(ValueError, match="speculative must be one of"):
         EngineConfig(speculative="medusa")
-    with pytest.raises(ValueError, match="k and ngram"):
+    with pytest.raises(ValueError, match="k, ngram and max_running"):
         SpeculativeConfig("ngram", k=0)
 
 
@@ -82,17 +89,18 @@ def same(a, b, logprobs: bool = True) -> None:
 
 
 def test_demo_loops_are_checked_several_tokens_a_step_with_the_same_output() -> None:
-    """The case's greedy loops are what prompt lookup proposes well: most proposals hold, and a
-    sampled request in the same batch (which does not speculate) is unchanged too."""
+    """The case's greedy loops are what prompt lookup proposes well: most proposals hold. A
+    seeded sampled request in the same batch speculates too, and its output is the same tokens
+    (each emitted token takes the draws it takes without speculation)."""
     prompts = ["The king", "My lord,"]
-    params = [GREEDY, SamplingParams(temperature=0.8, seed=3, max_tokens=32)]
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=3, max_tokens=64, logprobs=1)]
     _, off = generate("demo", prompts, params)
     llm, on = generate("demo", prompts, params, speculative="ngram")
     same(off, on)
     stats = [o.sampling.get("speculative") for o in on]
     assert stats[0]["method"] == "ngram" and stats[0]["k"] == 4
     assert stats[0]["proposed"] >= stats[0]["accepted"] > 0  # the loop is looked up
-    assert stats[1]["proposed"] == 0  # sampled: not in this version
+    assert stats[1]["proposed"] > stats[1]["accepted"] > 0  # sampled: some held, some did not
     assert "speculative" not in off[0].sampling
 
 
@@ -168,3 +176,170 @@ def test_served_responses_say_what_speculation_did() -> None:
         assert spec["method"] == "ngram" and spec["accepted"] > 0
         metrics = httpx.get(f"{server.url}/metrics").text
         assert f"thermostat_speculative_accepted_tokens_total {float(spec['accepted'])}" in metrics
+
+
+# --- sampled output keeps its distribution ------------------------------------------------------
+
+PROMPT = "My lord, my lord, my lord, my"  # a prefix whose next tokens are few enough to count
+SAMPLES = 1500  # per run: sequences of 3 tokens
+ALPHA = 1e-3  # a chi-square test's p-value below this fails (each run is seeded: deterministic)
+SETTINGS = {
+    "temperature": SamplingParams(temperature=0.7),
+    "top_p": SamplingParams(temperature=1.0, top_p=0.6),
+    "top_k": SamplingParams(temperature=1.0, top_k=3),
+    "min_p": SamplingParams(temperature=1.0, min_p=0.05),
+    "penalties": SamplingParams(temperature=0.6, repetition_penalty=1.2, frequency_penalty=0.5),
+    "grammar": SamplingParams(  # a mask that differs between the positions
+        temperature=1.0,
+        structured=StructuredOutput.regex("( my| lord)(,| good)( sweet| noble| my)", "regex"),
+    ),
+}
+
+
+def chain(rank: int, params: SamplingParams) -> list[int]:
+    """Proposals: at each of 3 positions along the greedy continuation of PROMPT (under the
+    setting's grammar), the token of `rank` there (1: the most likely)."""
+    probe = SamplingParams(
+        temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2, structured=params.structured
+    )
+    out = LLM("demo").generate([PROMPT], probe)[0]
+    return [lp.top[rank - 1][0] for lp in out.completions[0].logprobs]
+
+
+def sample_sequences(
+    llm: LLM, params: SamplingParams, monkeypatch, proposals: list[int] | None = None
+) -> tuple[Counter, int, int]:
+    """SAMPLES unseeded 3-token continuations of PROMPT (the default generator seeded first), and
+    the proposed and accepted tokens. `proposals`: what each step proposes (the rest of this list
+    from the request's position) instead of prompt lookup."""
+    prompt = llm.tokenizer.encode(PROMPT)
+    if proposals is not None:
+
+        def forced(tokens: list[int], ngram: int, k: int) -> list[int]:
+            at = len(tokens) - len(prompt)
+            return proposals[at : at + k]
+
+        monkeypatch.setattr(scheduler_module, "propose", forced)
+    params = dataclasses.replace(params, max_tokens=3, ignore_eos=True)
+    torch.manual_seed(1234)
+    outs = llm.generate([prompt] * SAMPLES, params)
+    spec = [o.sampling.get("speculative", {}) for o in outs]
+    counts = Counter(tuple(o.token_ids) for o in outs)
+    return counts, sum(s.get("proposed", 0) for s in spec), sum(s.get("accepted", 0) for s in spec)
+
+
+def homogeneity(a: Counter, b: Counter) -> float:
+    """The p-value of a chi-square test that two samples come from one distribution over
+    sequences; sequences seen fewer than 10 times in both together are pooled into one cell."""
+    seen = sorted(set(a) | set(b), key=lambda c: -(a[c] + b[c]))
+    cells = [c for c in seen if a[c] + b[c] >= 10]
+    rest = [c for c in seen if a[c] + b[c] < 10]
+    table = [[x[c] for c in cells] + [sum(x[c] for c in rest)] for x in (a, b)]
+    if not rest:
+        table = [row[:-1] for row in table]
+    assert len(table[0]) >= 2, "the test needs at least two cells"
+    return float(chi2_contingency(table).pvalue)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_sampled_distribution_is_unchanged(setting, monkeypatch) -> None:
+    """For each sampling setting: 1500 sequences of 3 tokens without speculation, and with
+    proposals forced to hit (the most likely chain) and to miss (the second most likely; the
+    first token is sampled at the prefill, the second and third in one step that checks a
+    proposal); the joint distribution of the 3 tokens is the same (chi-square test of
+    homogeneity, p >= 1e-3), and both runs with speculation accepted some proposals and
+    rejected others."""
+    params = SETTINGS[setting]
+    options = {"max_num_seqs": 256, "speculative_max_running": 256}
+    off, _, _ = sample_sequences(LLM("demo", **options), params, monkeypatch)
+    for rank in (1, 2):
+        llm = LLM("demo", speculative="ngram", speculative_k=2, **options)
+        on, proposed, held = sample_sequences(llm, params, monkeypatch, chain(rank, params))
+        p_value = homogeneity(off, on)
+        print(setting, rank, f"p={p_value:.3f}", proposed, held, len(off), len(on))  # noqa: T201
+        assert p_value >= ALPHA, f"{setting}, proposals of rank {rank}: p = {p_value:.2e}"
+        assert proposed > held > 0
+
+
+def test_the_chi_square_test_sees_a_small_change(monkeypatch) -> None:
+    """The test above has power at its sample size: temperature 0.8 against 0.9 is refused."""
+    options = {"max_num_seqs": 256}
+    a, _, _ = sample_sequences(LLM("demo", **options), SETTINGS["temperature"], monkeypatch)
+    b, _, _ = sample_sequences(LLM("demo", **options), SamplingParams(temperature=0.9), monkeypatch)
+    assert homogeneity(a, b) < ALPHA
+
+
+def test_seeded_output_is_the_same_alone_batched_and_without_speculation() -> None:
+    """A seeded request takes the same draws per emitted token with speculation on or off, and
+    whether it speculates (alone) or not (above max_running): the same output every time."""
+    seeded = [
+        SamplingParams(temperature=t, seed=s, max_tokens=48, ignore_eos=True, **extra)
+        for t, s, extra in [
+            (0.7, 1, {}),
+            (1.0, 2, {"top_p": 0.9, "repetition_penalty": 1.2}),
+            (0.9, 3, {"top_k": 20, "frequency_penalty": 0.3}),
+            (1.0, 4, {"structured": StructuredOutput.regex("[A-Z][a-z]+(, [a-z]+)*", "regex")}),
+        ]
+    ]
+    prompts = ["The king", "My lord,", "Enter HAMLET", "HAMLET. Words, words, words, words"]
+    plain = LLM("demo").generate(prompts, seeded)
+    speculating = LLM("demo", speculative="ngram")
+    alone = [speculating.generate([p], s)[0] for p, s in zip(prompts, seeded, strict=True)]
+    crowded = speculating.generate(prompts * 2, seeded * 2)[:4]  # 8 running > max_running
+    for want, one, many in zip(plain, alone, crowded, strict=True):
+        assert want.token_ids == one.token_ids == many.token_ids
+    assert sum(o.sampling["speculative"]["accepted"] for o in alone) > 0
+    assert all(o.sampling["speculative"]["proposed"] == 0 for o in crowded)
+
+
+def test_constrained_greedy_equals_no_speculation() -> None:
+    """Proposals go only as far as the grammar takes them; the accepted ones advance it."""
+    schema = {
+        "type": "object",
+        "properties": {"lines": {"type": "array", "items": {"type": "string"}}},
+        "required": ["lines"],
+    }
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=80,
+        logprobs=1,
+        structured=StructuredOutput.json_schema(schema, "guided_json"),
+    )
+    prompt = 'KING. {"lines": ["my lord", "my lord", "my lord'
+    _, off = generate("demo", [prompt], params)
+    _, on = generate("demo", [prompt], params, speculative="ngram")
+    same(off, on)
+    assert on[0].sampling["speculative"]["accepted"] > 0
+
+
+def test_seeded_output_is_the_same_with_proposals_forced_to_hold_and_fail(monkeypatch) -> None:
+    """Each step proposes the next 4 tokens of the output without speculation, every third one
+    replaced by another: the proposals before a replaced one hold only if every row's
+    distribution is the one its position has without speculation (penalties counting the
+    proposals before it, the grammar advanced past them), and the replaced one is refused."""
+    grammar = StructuredOutput.regex("[A-Z][a-z]+(, [a-z]+)*", "regex")
+    seeded = [
+        SamplingParams(temperature=0.7, seed=5, frequency_penalty=0.4, repetition_penalty=1.1),
+        SamplingParams(temperature=0.8, seed=6, presence_penalty=1.5, top_k=40),
+        SamplingParams(temperature=1.0, seed=7, top_p=0.9, min_p=0.02),
+        SamplingParams(temperature=1.0, seed=8, structured=grammar),
+    ]
+    seeded = [dataclasses.replace(p, max_tokens=40, ignore_eos=True) for p in seeded]
+    llm = LLM("demo", speculative="ngram")
+    texts = ("My lord, my lord, my lord, my", "The king", "Enter", "KING. Go")  # the first loops
+    prompts = [llm.tokenizer.encode(p) for p in texts]
+    plain = LLM("demo").generate(prompts, seeded)
+    wanted = {tuple(p): o.token_ids for p, o in zip(prompts, plain, strict=True)}
+
+    def forced(tokens: list[int], ngram: int, k: int) -> list[int]:
+        prompt = next(p for p in wanted if tuple(tokens[: len(p)]) == p)
+        at = len(tokens) - len(prompt)
+        ahead = wanted[prompt][at : at + k]
+        return [t if (at + i) % 3 else (t + 1) % 1000 for i, t in enumerate(ahead)]
+
+    monkeypatch.setattr(scheduler_module, "propose", forced)
+    for prompt, params, want in zip(prompts, seeded, plain, strict=True):
+        out = llm.generate([prompt], params)[0]
+        assert out.token_ids == want.token_ids
+        spec = out.sampling["speculative"]
+        assert spec["proposed"] > spec["accepted"] > 0

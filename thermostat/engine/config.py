@@ -28,6 +28,7 @@ class EngineConfig:
     speculative: str = "off"  # off | ngram: prompt-lookup speculation (engine/speculative.py)
     speculative_k: int = 4  # tokens proposed per step at most
     speculative_ngram: int = 3  # the longest suffix looked up
+    speculative_max_running: int = 4  # requests propose only while at most this many run
 
     def __post_init__(self) -> None:
         checks = {
@@ -43,7 +44,12 @@ class EngineConfig:
 
     @property
     def speculation(self) -> SpeculativeConfig:
-        return SpeculativeConfig(self.speculative, self.speculative_k, self.speculative_ngram)
+        return SpeculativeConfig(
+            self.speculative,
+            self.speculative_k,
+            self.speculative_ngram,
+            self.speculative_max_running,
+        )
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,25 @@ class Constraint:
         self._mask = None
         return bool(self.matcher.consume_token(token)) and not self.matcher.is_error()
 
+    def lookahead(self, tokens: list[int]) -> tuple[list[int], list[Bitmask]]:
+        """The longest prefix of `tokens` (proposals) the grammar takes without completing or
+        reaching a dead end, and the bitmask after each of its tokens; the state is left as it
+        was (the proposals are consumed, then rolled back)."""
+        first = mask = self.mask()
+        masks: list[Bitmask] = []
+        for token in tokens:
+            allowed = 0 <= token < self.vocab_size and mask[token // 32] >> (token % 32) & 1
+            if not allowed or not self.advance(token):
+                break
+            if self.complete or not self.allows_any(()):
+                self.matcher.rollback(1)
+                break
+            mask = self.mask()
+            masks.append(mask)
+        self.matcher.rollback(len(masks))
+        self._mask = first
+        return tokens[: len(masks)], masks
+
     @property
     def complete(self) -> bool:
         """The grammar admits nothing more: the output is whole."""

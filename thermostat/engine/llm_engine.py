@@ -108,10 +108,11 @@ class LLMEngine:
         elif speculation.on:
             log.info(
                 "speculative decoding: %s, up to %d tokens proposed per step (n-grams up to %d), "
-                "for greedy requests",
+                "while at most %d requests run",
                 speculation.method,
                 speculation.k,
                 speculation.ngram,
+                speculation.max_running,
             )
         log.info(
             "weights: %s from %s, %.1f MB%s",

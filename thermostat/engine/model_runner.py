@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from thermostat.engine.sampler import SamplingBatch, logprobs_of, sample_batch
+from thermostat.engine.constraint import Bitmask
+from thermostat.engine.sampler import SamplingBatch, draw_uniforms, logprobs_of, sample_batch
 from thermostat.engine.speculative import accepted
 from thermostat.engine.steps import (
     NewRequestData,
@@ -71,30 +72,39 @@ class ModelRunner:
         self, chunks: list[ScheduledChunk], hidden: torch.Tensor, out: RunnerOutput
     ) -> None:
         """The next token of every chunk that catches up: scored at its last row, or at every row
-        of a speculating chunk (its proposals are accepted while the model agrees)."""
+        of a speculating chunk (its proposals are accepted while the model's tokens equal them;
+        engine/speculative.py)."""
         rows: list[int] = []  # hidden rows to score
-        picked: list[ScheduledChunk] = []  # the chunk of each scored row
-        scoring: list[tuple[ScheduledChunk, int]] = []  # each sampling chunk and its rows
+        scored: list[tuple[ScheduledChunk, int]] = []  # the chunk of each scored row, the row
         offset = 0
         for chunk in chunks:
             n = len(chunk.token_ids)
             if chunk.sample:
-                scored = range(offset, offset + n) if chunk.proposed else [offset + n - 1]
-                rows.extend(scored)
-                picked.extend([chunk] * len(scored))
-                scoring.append((chunk, len(scored)))
+                width = n if chunk.proposed else 1
+                rows.extend(range(offset + n - width, offset + n))
+                scored.extend((chunk, i) for i in range(width))
             offset += n
         if not rows:
             return
         logits = self.model.compute_logits(hidden[torch.tensor(rows)])
-        sampled = sample_batch(logits, self._sampling_batch(picked))
+        drawn = self._generator_states(scored)
+        sampled = sample_batch(logits, self._sampling_batch(scored))
         at = 0
-        for chunk, width in scoring:
+        for chunk, i in scored:
+            if i:
+                continue
+            width = 1 + len(chunk.proposed)
             tokens = sampled.token_ids[at : at + width]
             logprobs = sampled.logprobs[at : at + width]
             at += width
             keep = 1 + accepted(chunk.proposed, tokens)  # t0, then the confirmed proposals' next
-            self.requests[chunk.req_id].output_token_ids.extend(tokens[:keep])
+            req = self.requests[chunk.req_id]
+            req.output_token_ids.extend(tokens[:keep])
+            if chunk.req_id in drawn and keep < width:  # as if the rejected rows had not drawn
+                assert req.generator is not None
+                req.generator.set_state(drawn[chunk.req_id])
+                for _ in range(keep):
+                    draw_uniforms(logits.shape[-1], req.generator)
             out.sampled[chunk.req_id] = tokens[0]
             if logprobs[0] is not None:
                 out.logprobs[chunk.req_id] = logprobs[0]
@@ -104,6 +114,18 @@ class ModelRunner:
                     out.speculated_logprobs[chunk.req_id] = [
                         lp for lp in logprobs[1:keep] if lp is not None
                     ]
+
+    def _generator_states(
+        self, scored: list[tuple[ScheduledChunk, int]]
+    ) -> dict[str, torch.Tensor]:
+        """The generator state of each seeded, sampled, speculating request before its draws."""
+        states = {}
+        for chunk, i in scored:
+            req = self.requests[chunk.req_id]
+            greedy = req.data.params.greedy
+            if i == 0 and chunk.proposed and req.generator is not None and not greedy:
+                states[chunk.req_id] = req.generator.get_state()
+        return states
 
     def _load_handoff(self, scheduled: ScheduledHandoff, result: RunnerOutput) -> None:
         """Another engine's prefill: its rows into this cache, its first token as this step's
@@ -138,16 +160,21 @@ class ModelRunner:
         scored = logprobs_of(lp, torch.tensor(targets, dtype=torch.int64), [k] * len(targets))
         return {chunk.start + 1 + i: lp for i, lp in enumerate(scored)}
 
-    def _sampling_batch(self, chunks: list[ScheduledChunk]) -> SamplingBatch:
-        reqs = [self.requests[c.req_id] for c in chunks]
+    def _sampling_batch(self, scored: list[tuple[ScheduledChunk, int]]) -> SamplingBatch:
+        """One row per scored row: row i of a speculating chunk is sampled as if its proposals
+        before it had been (they count as output; the grammar's mask after them)."""
+        reqs = [self.requests[c.req_id] for c, _ in scored]
         params = [r.data.params for r in reqs]
         return SamplingBatch.of(
             params,
             generators=[r.generator for r in reqs],
             prompt_ids=[r.data.prompt_token_ids for r in reqs],
-            output_ids=[r.output_token_ids for r in reqs],
-            banned_ids=[list(c.banned_token_ids) for c in chunks],
-            allowed=[c.allowed_tokens for c in chunks],
+            output_ids=[
+                r.output_token_ids + c.proposed[:i] if i else r.output_token_ids
+                for r, (c, i) in zip(reqs, scored, strict=True)
+            ],
+            banned_ids=[list(c.banned_token_ids) for c, _ in scored],
+            allowed=[_allowed(c, i) for c, i in scored],
             num_logprobs=[p.logprobs for p in params],
         )
 
@@ -220,6 +247,13 @@ class ModelRunner:
     def _block_tables(tables: list[list[int]]) -> torch.Tensor:
         width = max(len(t) for t in tables)
         return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+
+
+def _allowed(chunk: ScheduledChunk, row: int) -> Bitmask | None:
+    """The bitmask of a chunk's scored row (row i > 0 of a speculating chunk: after i proposals)."""
+    if row == 0 or not chunk.proposed_allowed:
+        return chunk.allowed_tokens
+    return chunk.proposed_allowed[row - 1]
 
 
 def _decode_rows(chunk: ScheduledChunk) -> bool:

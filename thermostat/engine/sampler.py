@@ -145,6 +145,14 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.argmax(x.contiguous().numpy(), axis=-1)).to(torch.int64)
 
 
+def draw_uniforms(
+    vocab: int, generator: torch.Generator, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """A seeded row's uniforms for one draw ([vocab] float64 in [0, 1)): what `sample_from_probs`
+    takes from its generator per token (speculation replays them to rewind a rejected row's)."""
+    return torch.empty(vocab, dtype=torch.float64, device=device).uniform_(generator=generator)
+
+
 def sample_from_probs(
     probs: torch.Tensor, generators: Sequence[torch.Generator | None]
 ) -> torch.Tensor:
@@ -168,7 +176,7 @@ def sample_from_probs(
         uniforms[shared] = fresh.uniform_()
     for i, g in enumerate(generators):
         if g is not None:
-            uniforms[i].uniform_(generator=g)
+            uniforms[i] = draw_uniforms(vocab, g, probs.device)
     noise = uniforms.to(probs.dtype).neg_().log1p_().neg_()  # Exp(1); U = 1 rounds to inf
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # E > 0, so p / E is finite
     scores = (probs / noise).masked_fill_(probs <= 0, -1.0)  # p / E may underflow to 0; 0 > -1
@@ -288,12 +296,29 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
 
 def logprobs_of(lp: torch.Tensor, targets: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
     """Row i of `lp` [N, V] (a log_softmax of raw logits) scoring `targets[i]` ([N] int64), with
-    its `ks[i]` most likely alternatives, best first."""
+    its `ks[i]` most likely alternatives, best first (equal logprobs: the lower id first, so a
+    row's alternatives do not depend on the rows beside it)."""
     chosen = lp.gather(1, targets[:, None])  # [N, 1]
     ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-    values, indices = lp.topk(min(max(ks, default=0), lp.shape[-1]), dim=-1)
-    columns = (targets.tolist(), chosen[:, 0].tolist(), ranks, indices.tolist(), values.tolist())
-    return [
-        TokenLogprobs(t, c, r, list(zip(ids[:k], lps[:k], strict=True)))
-        for t, c, r, ids, lps, k in zip(*columns, ks, strict=True)
-    ]
+    tops = top_alternatives(lp, max(ks, default=0))
+    columns = (targets.tolist(), chosen[:, 0].tolist(), ranks, tops)
+    return [TokenLogprobs(t, c, r, top[:k]) for t, c, r, top, k in zip(*columns, ks, strict=True)]
+
+
+def top_alternatives(lp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+    """Each row's k largest (id, value), by value descending, then id ascending. torch.topk
+    breaks ties by the batch's shape; here a tie is broken by the id: topk(k + 1) settles the
+    set unless the k-th and the next value are equal, and then the row is sorted stably."""
+    k = min(k, lp.shape[-1])
+    if k == 0:
+        return [[] for _ in range(lp.shape[0])]
+    wide = min(k + 1, lp.shape[-1])
+    values, indices = lp.topk(wide, dim=-1)
+    tops = []
+    for row, (vals, ids) in enumerate(zip(values.tolist(), indices.tolist(), strict=True)):
+        if wide > k and vals[k - 1] == vals[k]:  # the boundary is a tie: the lowest ids win
+            order = torch.sort(lp[row], descending=True, stable=True)
+            vals, ids = order.values[:k].tolist(), order.indices[:k].tolist()
+        pairs = sorted(zip(ids[:k], vals[:k], strict=True), key=lambda p: (-p[1], p[0]))
+        tops.append(pairs)
+    return tops

@@ -18,7 +18,6 @@ from thermostat.engine.config import SchedulerConfig
 from thermostat.engine.kv_blocks import KVBlocks, PrefixHit
 from thermostat.engine.request import Request, RequestStatus
 from thermostat.engine.speculative import (
-    MAX_RUNNING,
     SpeculativeConfig,
     eligible,
     keeps_proposing,
@@ -105,12 +104,16 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_behind, budget)
             proposed = self._proposal(req, budget) if req.num_behind == 1 else []
+            if proposed and req.constraint is not None:  # as far as the grammar allows them
+                proposed, masks = req.constraint.lookahead(proposed)
             if proposed and self.blocks.allocate(
                 req.req_id, req.num_computed_tokens + 1 + len(proposed)
             ):  # room for the proposals too (no request is preempted for them)
                 chunk = self._chunk(req, 1)
                 chunk.token_ids.extend(proposed)
                 chunk.proposed = proposed
+                if req.constraint is not None:
+                    chunk.proposed_allowed = masks
                 out.chunks.append(chunk)
                 budget -= len(chunk.token_ids)
                 i += 1
@@ -160,7 +163,7 @@ class Scheduler:
         spec = self.speculation
         if (
             not spec.on
-            or len(self.running) > MAX_RUNNING
+            or len(self.running) > spec.max_running
             or req.handoff
             or not eligible(req.params, req.num_output_tokens)
             or not keeps_proposing(req.num_proposed, req.num_accepted)

@@ -4,17 +4,27 @@ that computes the request's next token.
 
 A request that speculates schedules `[last, p1 .. pk]` (its last sampled token and k proposals);
 the runner computes every one of them as a decode row of its own (the same attention and the
-same per-row arithmetic as a plain decode step at that position, so greedy output is the same
-bits with speculation on or off), and takes the model's token at each row: t0 follows `last`,
-t1 follows p1, ... The proposals are accepted while they equal the model's tokens; the step emits
-t0 .. tm (m proposals confirmed, then the model's own next token) and keeps the K/V of `last` and
-p1 .. pm. Rejected proposals leave rows past the request's computed tokens, which the next steps
-overwrite.
+same per-row arithmetic as a plain decode step at that position, so the logits are the same bits
+with speculation on or off), and draws the model's token at each row: t0 follows `last`, t1
+follows p1, ... Each row's distribution is the fully processed one at its position, as if the
+proposals before it had been sampled: penalties count them, a grammar has consumed them (the
+scheduler's `Constraint.lookahead`), a seeded request draws from its generator in row order.
+The proposals are accepted while they equal the model's tokens; the step emits t0 .. tm (m
+proposals confirmed, then the model's own next token) and keeps the K/V of `last` and p1 .. pm.
+Rejected proposals leave rows past the request's computed tokens, which the next steps overwrite.
 
-Requests propose only while at most MAX_RUNNING run. This version speculates for greedy
-requests only, without penalties, a grammar or a pending
-`min_tokens` (their next-token rule depends on the tokens before it), and not on caches with
-window pools (DeepSeek-V4's compressors keep state a rejected token would change).
+Why the output keeps its distribution. A proposal is a single token x (a point mass), and the
+row's token t is drawn from the row's distribution p, so x is accepted with probability p(x), and
+on a rejection the emitted t is distributed as p without x, renormalised: exactly the rejection
+sampling of speculative decoding with a point-mass draft (accept with min(1, p(x) / q(x)) = p(x),
+resample from the residual max(0, p - q)). For greedy rows t is the argmax: accepted while the
+proposal is the model's choice. A seeded request's generator is set back after a rejection to
+where the emitted tokens left it, so every emitted token took the same draws as without
+speculation: greedy and seeded output are the same with speculation on or off.
+
+Requests propose only while at most `max_running` run, after `min_tokens` (stop tokens are
+banned until then), and not on caches with window pools (DeepSeek-V4's compressors keep state a
+rejected token would change).
 """
 
 from __future__ import annotations
@@ -38,14 +48,18 @@ class SpeculativeConfig:
     method: str = "off"  # off | ngram
     k: int = 4  # tokens proposed per step at most
     ngram: int = 3  # the longest suffix matched; shorter ones down to 1 are tried in turn
+    max_running: int = MAX_RUNNING  # requests propose only while at most this many run
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(
                 f"speculative must be one of {', '.join(METHODS)}, got {self.method!r}"
             )
-        if self.k < 1 or self.ngram < 1:
-            raise ValueError(f"speculative k and ngram must be >= 1, got {self.k}, {self.ngram}")
+        if min(self.k, self.ngram, self.max_running) < 1:
+            raise ValueError(
+                "speculative k, ngram and max_running must be >= 1, "
+                f"got {self.k}, {self.ngram}, {self.max_running}"
+            )
 
     @property
     def on(self) -> bool:
@@ -66,16 +80,9 @@ def propose(tokens: Sequence[int], ngram: int, k: int) -> list[int]:
 
 
 def eligible(params: EffectiveParams, num_output_tokens: int) -> bool:
-    """Whether a request's next tokens can be checked several at a time (this version: greedy,
-    no penalties, no grammar, min_tokens reached)."""
-    return (
-        params.greedy
-        and params.repetition_penalty == 1.0
-        and params.frequency_penalty == 0.0
-        and params.presence_penalty == 0.0
-        and params.structured is None
-        and num_output_tokens >= params.min_tokens
-    )
+    """Whether a request's next tokens can be checked several at a time: once `min_tokens` are
+    out (before that a stop token's ban depends on the row)."""
+    return num_output_tokens >= params.min_tokens
 
 
 def accepted(proposed: Sequence[int], model_tokens: Sequence[int]) -> int:

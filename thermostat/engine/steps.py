@@ -71,6 +71,8 @@ class ScheduledChunk:
     window_tables: list[list[int]] = field(default_factory=list)  # pools 1.. (engine/kv_blocks)
     # speculation: token_ids is [last token] + proposed; each is computed as a decode row
     proposed: list[int] = field(default_factory=list)
+    # a constrained request's bitmask after each proposal (the rows after `allowed_tokens`')
+    proposed_allowed: list[Bitmask] = field(default_factory=list)
 
 
 @dataclass

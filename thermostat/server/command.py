@@ -61,9 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--speculative",
         choices=METHODS,
         default=ENGINE_DEFAULTS.speculative,
-        help="ngram: greedy requests propose the tokens that followed their last n-gram earlier "
-        "in the prompt or output, and the model checks them in one step (same output, fewer "
-        "steps where text repeats)",
+        help="ngram: requests propose the tokens that followed their last n-gram earlier in the "
+        "prompt or output, and the model checks them in one step (greedy and seeded output the "
+        "same, sampled output the same distribution; fewer steps where text repeats)",
     )
     e.add_argument(
         "--speculative-k",
@@ -71,6 +71,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=ENGINE_DEFAULTS.speculative_k,
         metavar="K",
         help="tokens proposed per step at most",
+    )
+    e.add_argument(
+        "--speculative-max-running",
+        type=int,
+        default=ENGINE_DEFAULTS.speculative_max_running,
+        metavar="N",
+        help="requests propose only while at most N run (a step's cost grows with its rows "
+        "once the weights' reading no longer dominates)",
     )
     e.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS.max_num_seqs)
     e.add_argument(
@@ -139,6 +147,7 @@ def config_from(args: argparse.Namespace) -> ServerConfig:
         stop_on_loop=args.stop_on_loop,
         speculative=args.speculative,
         speculative_k=args.speculative_k,
+        speculative_max_running=args.speculative_max_running,
     )
     return ServerConfig(
         engine=engine,
