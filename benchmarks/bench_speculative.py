@@ -1,5 +1,5 @@
-"""What prompt-lookup speculation (`--speculative ngram`) costs and saves, greedy decoding, one
-interleaved run (speculation off and on take turns; medians of `--repeats`).
+"""What prompt-lookup speculation (`--speculative ngram`) costs and saves, one interleaved run
+(speculation off and on take turns; medians of `--repeats`).
 
     .venv/bin/python benchmarks/bench_speculative.py [--repeats 3]
 
@@ -9,12 +9,14 @@ interleaved run (speculation off and on take turns; medians of `--repeats`).
    bfloat16) and on the demo model.
 2. End-to-end output tok/s, off vs on:
    - copy: the demo model given a passage twice and the start of a third copy (a client that
-     pastes a file and has it written back with changes is the same shape): batch 1;
+     pastes a file and has it written back with changes is the same shape): batch 1, greedy and
+     sampled (temperature 0.7);
    - loops: the demo model's greedy loops (the case), batch 1;
    - the SmolLM2-135M shape's greedy text (random weights: it falls into loops too), batch 1;
    - proposals that never hold (each one a token the model does not pick: the worst case of
      text that does not repeat, until the request stops proposing), batch 1;
-   - batch 32: the demo model, 32 different openings (above MAX_RUNNING nothing is proposed).
+   - sampled prose: the demo model at temperature 1.0 from an opening (its text seldom repeats);
+   - batch 32: the demo model, 32 different openings (above 4 running nothing is proposed).
 """
 
 from __future__ import annotations
@@ -47,17 +49,16 @@ OPENINGS = [
 def step_cost(path: str, batch: int, k: int, steps: int, dtype: str) -> float:
     """Seconds per decode step with `batch` requests each checking k forced proposals (k = 0: a
     plain decode step)."""
-    options = {"dtype": dtype, "enable_prefix_caching": False}
+    options = {"dtype": dtype, "enable_prefix_caching": False, "speculative_max_running": batch}
     llm = LLM(path, speculative="ngram" if k else "off", speculative_k=max(k, 1), **options)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=steps * (k + 1) + 8, ignore_eos=True)
     prompts = [[(7 * i + j) % 200 + 50 for j in range(32)] for i in range(batch)]
     for i, prompt in enumerate(prompts):
         engine.add_group(f"b{i}", engine.plan([prompt], params))
-    real = scheduler_module.propose, scheduler_module.keeps_proposing, scheduler_module.MAX_RUNNING
+    real = scheduler_module.propose, scheduler_module.keeps_proposing
     scheduler_module.propose = lambda tokens, ngram, room: [tokens[-1]] * room  # forced
     scheduler_module.keeps_proposing = lambda proposed, accepted: True
-    scheduler_module.MAX_RUNNING = batch  # measured at 8 too, where the engine does not propose
     try:
         engine.step()  # the prompts
         engine.step()  # first decode (allocations)
@@ -66,32 +67,32 @@ def step_cost(path: str, batch: int, k: int, steps: int, dtype: str) -> float:
             engine.step()
         return (time.perf_counter() - start) / steps
     finally:
-        scheduler_module.propose, scheduler_module.keeps_proposing, scheduler_module.MAX_RUNNING = (
-            real
-        )
+        scheduler_module.propose, scheduler_module.keeps_proposing = real
 
 
-def throughput(
-    path: str, prompts: list, speculative: str, max_tokens: int, dtype: str, wrong: bool
-) -> float:
+def throughput(llm: LLM, prompts: list, max_tokens: int, temperature: float, wrong: bool) -> float:
     """Output tok/s; `wrong`: every proposal is a token the model does not pick (the worst case
     of text that does not repeat: proposals are checked and fail until the request stops)."""
-    llm = LLM(path, speculative=speculative, dtype=dtype, enable_prefix_caching=False)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    params = SamplingParams(  # seeded: the same output on and off (engine/speculative.py)
+        temperature=temperature, seed=0, max_tokens=max_tokens, ignore_eos=True
+    )
     real = scheduler_module.propose
     if wrong:
         vocab = llm.engine.loaded.arch.vocab_size
         scheduler_module.propose = lambda tokens, ngram, room: [
             (tokens[-1] * 7 + 1 + i) % vocab for i in range(room)
         ]
-    try:
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        elapsed = time.perf_counter() - start
+    try:  # generations repeated for a second at least (one of the demo's takes 0.1 s)
+        start, tokens, elapsed = time.perf_counter(), 0, 0.0
+        for _ in range(100):
+            outs = llm.generate(prompts, params)
+            tokens += sum(len(o.token_ids) for o in outs)
+            elapsed = time.perf_counter() - start
+            if elapsed >= 1.0:
+                break
     finally:
         scheduler_module.propose = real
-    return sum(len(o.token_ids) for o in outs) / elapsed
+    return tokens / elapsed
 
 
 def main() -> None:
@@ -133,21 +134,30 @@ def main() -> None:
         fresh = list(range(40, 72))
         openings = [OPENINGS[i % len(OPENINGS)] + " " * (i // len(OPENINGS)) for i in range(32)]
         loads = {
-            "copy (demo, batch 1)": ("demo", [copy_prompt], 96, False),
-            "loops (demo, batch 1)": ("demo", ["The king"], 192, False),
-            "SmolLM2 shape's greedy text (batch 1)": (smol, [fresh], 96, False),
-            "proposals that never hold (SmolLM2 shape, batch 1)": (smol, [fresh], 96, True),
-            "batch 32 (demo)": ("demo", openings, 96, False),
+            "copy, greedy (demo, batch 1)": ("demo", [copy_prompt], 96, 0.0, False),
+            "copy, temperature 0.7 (demo, batch 1)": ("demo", [copy_prompt], 96, 0.7, False),
+            "loops, greedy (demo, batch 1)": ("demo", ["The king"], 192, 0.0, False),
+            "SmolLM2 shape's greedy text (batch 1)": (smol, [fresh], 96, 0.0, False),
+            "proposals that never hold (SmolLM2 shape, batch 1)": (smol, [fresh], 96, 0.0, True),
+            "prose, temperature 1.0 (demo, batch 1)": ("demo", ["The king"], 192, 1.0, False),
+            "batch 32, greedy (demo)": ("demo", openings, 96, 0.0, False),
         }  # fmt: skip
+        engines = {  # made once: an engine made per measurement adds its own noise
+            (path, mode): LLM(path, speculative=mode, enable_prefix_caching=False)
+            for path in {load[0] for load in loads.values()}
+            for mode in ("off", "ngram")
+        }
+        for llm in engines.values():
+            llm.generate([[40, 41, 42]], SamplingParams(temperature=0.0, max_tokens=4))
         runs: dict[tuple[str, str], list[float]] = {}
         for repeat in range(args.repeats):
-            for name, (path, prompts, n, wrong) in loads.items():
+            for name, (path, prompts, n, temperature, wrong) in loads.items():
                 order = ("off", "ngram") if repeat % 2 == 0 else ("ngram", "off")
                 for mode in order:
-                    tok_s = throughput(path, prompts, mode, n, "auto", wrong)
+                    tok_s = throughput(engines[path, mode], prompts, n, temperature, wrong)
                     runs.setdefault((name, mode), []).append(tok_s)
                     console.log(f"{repeat} {name} {mode}: {tok_s:.1f} tok/s")
-        table = Table(title="output tok/s, greedy, speculation off vs on (ngram, k=4), medians")
+        table = Table(title="output tok/s, speculation off vs on (ngram, k=4), medians")
         for column in ("workload", "off", "on", "on / off"):
             table.add_column(column, justify="right" if column != "workload" else "left")
         for name in loads:
