@@ -1,0 +1,192 @@
+"""Prompt-lookup speculation side by side with llama.cpp's: `thermostat serve --speculative ngram`
+against `llama-server --spec-type ngram-simple` on the same weights, over HTTP, one request at a
+time, each server with speculation off and on, interleaved (every server serves each workload in
+turn; medians of `--repeats`).
+
+    PEERS_DIR=/tmp/peers .venv/bin/python benchmarks/bench_speculative_llamacpp.py [--repeats 3]
+
+Needs `../shared/peers/setup.sh` (llama-server) and a GGUF of the demo model:
+`$PEERS_DIR/gguf/demo-f16.gguf` (`../shared/peers/convert_gguf.py --models demo --types f16`
+with `$PEERS_DIR/models/demo-fp32` linked to `thermostat/models/demo`). Both servers run the same
+f16/bf16 weights of the demo model (or `--model DIR --gguf FILE`, e.g. the peers' `small`) on 2
+threads, 96 new tokens; llama-server drafts up to 4 tokens from a 3-gram
+(`--spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 4`), Thermostat proposes up to 4 from
+a 3-, 2- or 1-gram.
+
+Workloads: copy (a passage given twice and the start of a third copy), the demo's greedy loops
+from an opening, and prose that does not repeat (temperature 1.0, seeded, from an opening).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from thermostat.engine.loader import DEMO_MODEL_DIR
+
+console = Console(stderr=True)
+PEERS_DIR = Path(os.environ.get("PEERS_DIR", "/tmp/peers"))
+PASSAGE = (
+    "Now is the winter of our discontent\nMade glorious summer by this sun of York;\n"
+    "And all the clouds that lour'd upon our house\nIn the deep bosom of the ocean buried.\n"
+)
+WORKLOADS = {  # name: (prompt, temperature)
+    "copy (greedy)": (PASSAGE * 2 + PASSAGE[:40], 0.0),
+    "loops (greedy)": ("The king", 0.0),
+    "prose (temperature 1.0)": ("My lord,", 1.0),
+}
+NEW_TOKENS = 96
+
+
+@dataclass
+class Server:
+    name: str
+    command: list[str]
+    log: Path
+    proc: subprocess.Popen | None = None
+    url: str = ""
+    rates: dict[str, list[float]] = field(default_factory=dict)
+
+    def start(self) -> None:
+        port = free_port()
+        command = [c.replace("{PORT}", str(port)) for c in self.command]
+        env = dict(os.environ, OMP_NUM_THREADS="2")
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                sys.exit(f"{self.name} exited; see {self.log}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        sys.exit(f"{self.name} did not become ready in 300 s; see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def tok_s(self, prompt: str, temperature: float) -> float:
+        """Output tokens per second of one non-streamed completion (prefill included: both
+        servers cache the prompt after the warm-up)."""
+        body = {
+            "prompt": prompt,
+            "max_tokens": NEW_TOKENS,
+            "temperature": temperature,
+            "seed": 0,
+            "ignore_eos": True,
+        }
+        start = time.perf_counter()
+        r = httpx.post(f"{self.url}/v1/completions", json=body, timeout=300)
+        elapsed = time.perf_counter() - start
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"] / elapsed
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def servers(thermostat: str, model: Path, gguf: Path, results: Path) -> list[Server]:
+    llama = [
+        str(PEERS_DIR / "llama-build" / "bin" / "llama-server"),
+        "-m", str(gguf), "-t", "2", "-tb", "2", "-c", "4096", "-np", "1",
+        "--host", "127.0.0.1", "--port", "{PORT}", "--no-webui",
+    ]  # fmt: skip
+    ngram = [
+        "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+        "--spec-ngram-simple-size-m", "4",
+    ]  # fmt: skip
+    ours = [
+        thermostat, "serve", "--model", str(model), "--port", "{PORT}",
+        "--num-threads", "2", "--max-num-seqs", "4",
+    ]  # fmt: skip
+    return [
+        Server("llama-server f16", llama, results / "spec-llama-off.log"),
+        Server("llama-server f16 ngram", llama + ngram, results / "spec-llama-ngram.log"),
+        Server("thermostat bf16", ours, results / "spec-thermostat-off.log"),
+        Server(
+            "thermostat bf16 ngram",
+            ours + ["--speculative", "ngram"],
+            results / "spec-thermostat-ngram.log",
+        ),
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--thermostat", default=str(Path(sys.executable).parent / "thermostat"))
+    p.add_argument("--model", type=Path, default=DEMO_MODEL_DIR, help="Thermostat's checkpoint")
+    p.add_argument("--gguf", type=Path, default=PEERS_DIR / "gguf" / "demo-f16.gguf")
+    args = p.parse_args()
+    if not args.gguf.exists():
+        sys.exit(f"{args.gguf} is missing: see this script's docstring")
+    results = PEERS_DIR / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    fleet = servers(args.thermostat, args.model, args.gguf, results)
+    try:
+        for server in fleet:  # one at a time: each has the 2 cores to itself
+            server.start()
+            for prompt, temperature in WORKLOADS.values():  # warm-up, and the prompts cached
+                server.tok_s(prompt, temperature)
+            server.stop()
+        for repeat in range(args.repeats):
+            for server in fleet if repeat % 2 == 0 else fleet[::-1]:
+                server.start()
+                for name, (prompt, temperature) in WORKLOADS.items():
+                    server.tok_s(prompt, temperature)  # the prompt cached
+                    rate = server.tok_s(prompt, temperature)
+                    server.rates.setdefault(name, []).append(rate)
+                    console.log(f"{repeat} {server.name:<24} {name:<24} {rate:6.1f} tok/s")
+                server.stop()
+    finally:
+        for server in fleet:
+            server.stop()
+    table = Table(title=f"output tok/s at one request, medians ({args.model.name}, 2 threads)")
+    table.add_column("workload")
+    for server in fleet:
+        table.add_column(server.name, justify="right")
+    table.add_column("llama on/off", justify="right")
+    table.add_column("thermostat on/off", justify="right")
+    table.add_column("thermostat/llama, on", justify="right")
+    for name in WORKLOADS:
+        llama_off, llama_on, ours_off, ours_on = (statistics.median(s.rates[name]) for s in fleet)
+        table.add_row(
+            name,
+            *(f"{statistics.median(s.rates[name]):.1f}" for s in fleet),
+            f"{llama_on / llama_off:.2f}x",
+            f"{ours_on / ours_off:.2f}x",
+            f"{ours_on / llama_on:.2f}x",
+        )
+    Console(width=160).print(table)
+
+
+if __name__ == "__main__":
+    main()
