@@ -87,14 +87,18 @@ class LLMEngine:
             self.tokenizer, arch.vocab_size, self.loaded.eos_token_ids
         )
         self._emitting: dict[str, _Emitting] = {}
+        kv_bytes = sum(n * spec.pool_bytes_per_block(p) for p, n in enumerate(pools))
         log.info(
-            "engine ready: %s (%s, %s), KV cache %d blocks x %d tokens (%s), CPU kernels %s",
+            "engine ready: %s (%s, %s), KV cache %d blocks x %d tokens (%s, %.2f of %g GB: "
+            "at most twice what max_num_seqs sequences of max_model_len hold), CPU kernels %s",
             self.loaded.path,
             arch.architecture,
             self.loaded.dtype,
             num_blocks,
             config.block_size,
             spec.dtype,
+            kv_bytes / 2**30,
+            config.kv_cache_memory_gb,
             kernels.status() if config.cpu_kernels else "off (cpu_kernels=False)",
         )
         speculation = config.speculation
