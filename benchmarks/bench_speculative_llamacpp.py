@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,6 +32,9 @@ from rich.console import Console
 from rich.table import Table
 
 from thermostat.engine.loader import DEMO_MODEL_DIR
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_http import serving  # noqa: E402
 
 console = Console(stderr=True)
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", "/tmp/peers"))
@@ -54,66 +54,27 @@ NEW_TOKENS = 96
 class Server:
     name: str
     command: list[str]
-    log: Path
-    proc: subprocess.Popen | None = None
-    url: str = ""
     rates: dict[str, list[float]] = field(default_factory=dict)
 
-    def start(self) -> None:
-        port = free_port()
-        command = [c.replace("{PORT}", str(port)) for c in self.command]
-        env = dict(os.environ, OMP_NUM_THREADS="2")
-        with self.log.open("w") as log:
-            self.proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        self.url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                sys.exit(f"{self.name} exited; see {self.log}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        sys.exit(f"{self.name} did not become ready in 300 s; see {self.log}")
 
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def tok_s(self, prompt: str, temperature: float) -> float:
-        """Output tokens per second of one non-streamed completion (prefill included: both
-        servers cache the prompt after the warm-up)."""
-        body = {
-            "prompt": prompt,
-            "max_tokens": NEW_TOKENS,
-            "temperature": temperature,
-            "seed": 0,
-            "ignore_eos": True,
-        }
-        start = time.perf_counter()
-        r = httpx.post(f"{self.url}/v1/completions", json=body, timeout=300)
-        elapsed = time.perf_counter() - start
-        r.raise_for_status()
-        return r.json()["usage"]["completion_tokens"] / elapsed
+def tok_s(url: str, prompt: str, temperature: float) -> float:
+    """Output tokens per second of one non-streamed completion (prefill included: both servers
+    cache the prompt after the first request)."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": NEW_TOKENS,
+        "temperature": temperature,
+        "seed": 0,
+        "ignore_eos": True,
+    }
+    start = time.perf_counter()
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    elapsed = time.perf_counter() - start
+    r.raise_for_status()
+    return r.json()["usage"]["completion_tokens"] / elapsed
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def servers(thermostat: str, model: Path, gguf: Path, results: Path) -> list[Server]:
+def servers(thermostat: str, model: Path, gguf: Path) -> list[Server]:
     llama = [
         str(PEERS_DIR / "llama-build" / "bin" / "llama-server"),
         "-m", str(gguf), "-t", "2", "-tb", "2", "-c", "4096", "-np", "1",
@@ -128,14 +89,10 @@ def servers(thermostat: str, model: Path, gguf: Path, results: Path) -> list[Ser
         "--num-threads", "2", "--max-num-seqs", "4",
     ]  # fmt: skip
     return [
-        Server("llama-server f16", llama, results / "spec-llama-off.log"),
-        Server("llama-server f16 ngram", llama + ngram, results / "spec-llama-ngram.log"),
-        Server("thermostat bf16", ours, results / "spec-thermostat-off.log"),
-        Server(
-            "thermostat bf16 ngram",
-            ours + ["--speculative", "ngram"],
-            results / "spec-thermostat-ngram.log",
-        ),
+        Server("llama-server f16", llama),
+        Server("llama-server f16 ngram", llama + ngram),
+        Server("thermostat bf16", ours),
+        Server("thermostat bf16 ngram", ours + ["--speculative", "ngram"]),
     ]
 
 
@@ -150,25 +107,16 @@ def main() -> None:
         sys.exit(f"{args.gguf} is missing: see this script's docstring")
     results = PEERS_DIR / "results"
     results.mkdir(parents=True, exist_ok=True)
-    fleet = servers(args.thermostat, args.model, args.gguf, results)
-    try:
-        for server in fleet:  # one at a time: each has the 2 cores to itself
-            server.start()
-            for prompt, temperature in WORKLOADS.values():  # warm-up, and the prompts cached
-                server.tok_s(prompt, temperature)
-            server.stop()
-        for repeat in range(args.repeats):
-            for server in fleet if repeat % 2 == 0 else fleet[::-1]:
-                server.start()
+    fleet = servers(args.thermostat, args.model, args.gguf)
+    for repeat in range(args.repeats):  # each server alone on the 2 cores, in turn
+        for server in fleet if repeat % 2 == 0 else fleet[::-1]:
+            log_name = "spec-" + server.name.replace(" ", "-")
+            with serving(log_name, server.command, results) as url:
                 for name, (prompt, temperature) in WORKLOADS.items():
-                    server.tok_s(prompt, temperature)  # the prompt cached
-                    rate = server.tok_s(prompt, temperature)
+                    tok_s(url, prompt, temperature)  # warm-up; the prompt cached
+                    rate = tok_s(url, prompt, temperature)
                     server.rates.setdefault(name, []).append(rate)
                     console.log(f"{repeat} {server.name:<24} {name:<24} {rate:6.1f} tok/s")
-                server.stop()
-    finally:
-        for server in fleet:
-            server.stop()
     table = Table(title=f"output tok/s at one request, medians ({args.model.name}, 2 threads)")
     table.add_column("workload")
     for server in fleet:
