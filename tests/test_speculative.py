@@ -100,6 +100,8 @@ def test_demo_loops_are_checked_several_tokens_a_step_with_the_same_output() -> 
     stats = [o.sampling.get("speculative") for o in on]
     assert stats[0]["method"] == "ngram" and stats[0]["k"] == 4
     assert stats[0]["proposed"] >= stats[0]["accepted"] > 0  # the loop is looked up
+    # k proposals at most per step; the steps that checked them saved `accepted` decode steps
+    assert stats[0]["steps"] * 4 >= stats[0]["proposed"] > stats[0]["steps"] > 0
     assert stats[1]["proposed"] > stats[1]["accepted"] > 0  # sampled: some held, some did not
     assert "speculative" not in off[0].sampling
 
@@ -176,6 +178,8 @@ def test_served_responses_say_what_speculation_did() -> None:
         assert spec["method"] == "ngram" and spec["accepted"] > 0
         metrics = httpx.get(f"{server.url}/metrics").text
         assert f"thermostat_speculative_accepted_tokens_total {float(spec['accepted'])}" in metrics
+        steps = f"thermostat_speculative_verification_steps_total {float(spec['steps'])}"
+        assert steps in metrics
 
 
 # --- sampled output keeps its distribution ------------------------------------------------------

@@ -131,6 +131,12 @@ class Metrics:
             "Proposed tokens the model confirmed (each saved a decode step)",
             registry=r,
         )
+        self.spec_steps = Counter(
+            "thermostat_speculative_verification_steps",
+            "Steps that checked a request's proposals (accepted tokens / steps: tokens a "
+            "verification saved)",
+            registry=r,
+        )
         self.defaults_warning = Gauge(
             "thermostat_defaults_warning",
             "1 for each kind of warning the startup report gives about the sampling defaults",
@@ -198,9 +204,10 @@ class Metrics:
         )
 
     def on_speculation(self, stats: dict[str, Any]) -> None:
-        """A finished choice's speculation: tokens proposed and confirmed."""
+        """A finished choice's speculation: tokens proposed and confirmed, steps that checked."""
         self.spec_proposed.inc(int(stats["proposed"]))
         self.spec_accepted.inc(int(stats["accepted"]))
+        self.spec_steps.inc(int(stats.get("steps", 0)))
 
     def on_tokens(self, n: int) -> None:
         self.generation_tokens.inc(n)

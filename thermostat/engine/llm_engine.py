@@ -295,6 +295,7 @@ class LLMEngine:
             "k": spec.k,
             "proposed": req.num_proposed,
             "accepted": req.num_accepted,
+            "steps": req.num_verifications,
         }
 
     def _handoff(

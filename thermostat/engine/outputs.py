@@ -33,7 +33,7 @@ class RequestDelta:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # first delta only; [0] is None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     handoff: Handoff | None = None  # a handoff request's last delta: what it hands over
-    # speculation so far: {"method", "k", "proposed", "accepted"} (None: off)
+    # speculation so far: {"method", "k", "proposed", "accepted", "steps"} (None: off)
     speculative: dict[str, int | str] | None = None
 
     @property

@@ -52,6 +52,7 @@ class Request:
     # speculation (engine/speculative.py): tokens proposed and confirmed so far
     num_proposed: int = 0
     num_accepted: int = 0
+    num_verifications: int = 0  # steps that checked proposals
 
     @property
     def max_tokens(self) -> int:

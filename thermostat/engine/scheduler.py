@@ -241,6 +241,7 @@ class Scheduler:
                 req.num_computed_tokens += 1 + len(more)
                 req.num_proposed += len(chunk.proposed)
                 req.num_accepted += len(more)
+                req.num_verifications += 1
             else:
                 req.num_computed_tokens += len(chunk.token_ids)
             ending: tuple[str, str | int | None] | None = None
