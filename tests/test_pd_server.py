@@ -197,20 +197,23 @@ def fp8_pair_equals_fp8_single(model_dir: Path, **extra: Any) -> None:
 
 def test_a_speculating_decode_answers_as_a_single_server(model_dir, pair, single):
     """--speculative on the decode half: the continuation is the single server's, token for
-    token and logprob for logprob, and the response says what speculation did."""
+    token and logprob for logprob (greedy, and seeded sampling: the handed-over generator draws
+    as without speculation), and the response says what speculation did."""
     prefill, _ = pair
     prompt = [5, 17, 42, 99, 3, 250, 7, 5, 17, 42, 99, 3]  # token ids: text that repeats
-    body = {"prompt": prompt, "logprobs": 2} | GREEDY | {"max_tokens": 24}
+    greedy = {"prompt": prompt, "logprobs": 2} | GREEDY | {"max_tokens": 24}
+    seeded = greedy | {"temperature": 0.8, "seed": 11}
     with running_server(
         model_dir, disaggregation_mode="decode", block_size=4, speculative="ngram"
     ) as decode:
-        p, d = pd_post(prefill, decode, "/v1/completions", body)
-    assert p.status_code == 200 and d.status_code == 200, d.text
-    want = single_post(single, "/v1/completions", body).json()
-    got = d.json()
-    assert got["choices"][0]["text"] == want["choices"][0]["text"]
-    assert got["choices"][0]["logprobs"] == want["choices"][0]["logprobs"]
-    assert got["sampling"]["speculative"]["proposed"] > 0
+        for body in (greedy, seeded):
+            p, d = pd_post(prefill, decode, "/v1/completions", body)
+            assert p.status_code == 200 and d.status_code == 200, d.text
+            want = single_post(single, "/v1/completions", body).json()
+            got = d.json()
+            assert got["choices"][0]["text"] == want["choices"][0]["text"]
+            assert got["choices"][0]["logprobs"] == want["choices"][0]["logprobs"]
+            assert got["sampling"]["speculative"]["proposed"] > 0
 
 
 def test_halves_with_other_sampling_defaults_are_refused(model_dir, pair):
