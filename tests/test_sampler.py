@@ -28,6 +28,7 @@ from thermostat.engine.sampler import (
     sample_batch,
     sample_from_probs,
     token_counts,
+    top_alternatives,
 )
 
 V = 12
@@ -444,3 +445,16 @@ def test_rejects_mismatched_lengths() -> None:
     batch.top_p = [1.0]
     with pytest.raises(ValueError, match="top_p"):
         sample_batch(torch.randn(3, V), batch)
+
+
+def test_logprob_alternatives_break_ties_by_id_whatever_the_batch() -> None:
+    """Equal logprobs (bfloat16 logits tie often) list the lower id first, and a row's k best
+    do not depend on the rows beside it (torch.topk's choice among ties does)."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 4, (6, 40), generator=gen).float()  # many ties
+    for k in range(41):
+        alone = [top_alternatives(rows[i : i + 1], k)[0] for i in range(6)]
+        assert top_alternatives(rows, k) == alone
+        for i, got in enumerate(alone):
+            ranked = sorted(enumerate(rows[i].tolist()), key=lambda p: (-p[1], p[0]))
+            assert got == ranked[:k]

@@ -308,7 +308,8 @@ def logprobs_of(lp: torch.Tensor, targets: torch.Tensor, ks: list[int]) -> list[
 def top_alternatives(lp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
     """Each row's k largest (id, value), by value descending, then id ascending. torch.topk
     breaks ties by the batch's shape; here a tie is broken by the id: topk(k + 1) settles the
-    set unless the k-th and the next value are equal, and then the row is sorted stably."""
+    set unless the k-th and the next value are equal, and then the ids holding that value are
+    looked up in the row (bfloat16 logits tie often)."""
     k = min(k, lp.shape[-1])
     if k == 0:
         return [[] for _ in range(lp.shape[0])]
@@ -316,9 +317,11 @@ def top_alternatives(lp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
     values, indices = lp.topk(wide, dim=-1)
     tops = []
     for row, (vals, ids) in enumerate(zip(values.tolist(), indices.tolist(), strict=True)):
+        pairs = list(zip(ids[:k], vals[:k], strict=True))
         if wide > k and vals[k - 1] == vals[k]:  # the boundary is a tie: the lowest ids win
-            order = torch.sort(lp[row], descending=True, stable=True)
-            vals, ids = order.values[:k].tolist(), order.indices[:k].tolist()
-        pairs = sorted(zip(ids[:k], vals[:k], strict=True), key=lambda p: (-p[1], p[0]))
-        tops.append(pairs)
+            boundary = vals[k - 1]
+            pairs = [(i, v) for i, v in pairs if v > boundary]
+            tied = torch.nonzero(lp[row] == boundary).flatten().tolist()  # ids ascending
+            pairs += [(i, boundary) for i in tied[: k - len(pairs)]]
+        tops.append(sorted(pairs, key=lambda p: (-p[1], p[0])))
     return tops
