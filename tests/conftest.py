@@ -3,15 +3,17 @@ reference model."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from hypothesis import HealthCheck, settings
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from thermostat.random_model import CONFIGS, write_model
 
-__all__ = ["CONFIGS", "hf_greedy", "hf_model", "write_model"]
+__all__ = ["CONFIGS", "hf_greedy", "hf_model", "write_model", "write_v3_with_next_n"]
 
 # Every hypothesis test, whatever its own settings leave unsaid: an example's duration and the
 # time to generate data depend on what else the machine runs, so neither is checked.
@@ -38,3 +40,33 @@ def hf_greedy(hf, prompt: list[int], num_tokens: int) -> list[int]:
         pad_token_id=hf.config.pad_token_id if hf.config.pad_token_id is not None else 0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def write_v3_with_next_n(path: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """A random DeepSeek-V3 checkpoint with one multi-token-prediction layer, which transformers
+    neither builds nor saves: layer L shaped like the last one (MoE, weights of its own), its
+    norms, eh_proj, an untied head and the checkpoint's copy of the embeddings."""
+    path = write_model(path, "deepseek_v3", dtype=dtype)
+    config = json.loads((path / "config.json").read_text())
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    weights = load_file(path / "model.safetensors")
+    embed = weights["model.embed_tokens.weight"]
+    gen = torch.Generator().manual_seed(7)
+    last, prefix = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
+    for name, tensor in list(weights.items()):
+        if name.startswith(last):
+            noise = torch.randn(tensor.shape, generator=gen) * tensor.float().std()
+            weights[prefix + name.removeprefix(last)] = tensor if tensor.dim() < 2 else noise
+    weights |= {
+        prefix + "enorm.weight": 1 + 0.1 * torch.randn(hidden, generator=gen),
+        prefix + "hnorm.weight": 1 + 0.1 * torch.randn(hidden, generator=gen),
+        prefix + "eh_proj.weight": 0.1 * torch.randn(hidden, 2 * hidden, generator=gen),
+        prefix + "shared_head.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=gen),
+        prefix + "shared_head.head.weight": 0.2 * torch.randn(embed.shape, generator=gen),
+        prefix + "embed_tokens.weight": embed,
+    }
+    weights = {k: v.to(embed.dtype).clone() for k, v in weights.items()}
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    config["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config))
+    return path

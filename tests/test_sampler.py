@@ -21,6 +21,7 @@ import torch
 from scipy.stats import chisquare
 
 from thermostat.engine import sampler
+from thermostat.engine.logprobs import top_alternatives
 from thermostat.engine.sampler import (
     SamplingBatch,
     apply_penalties,
@@ -28,7 +29,6 @@ from thermostat.engine.sampler import (
     sample_batch,
     sample_from_probs,
     token_counts,
-    top_alternatives,
 )
 
 V = 12

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 
-from thermostat import kernels
+from thermostat.engine.checkpoint import ModelLoadError
 from thermostat.engine.config import EngineConfig, SchedulerConfig
 from thermostat.engine.constraint import ConstraintCompiler
 from thermostat.engine.kv_blocks import KVBlocks, size_pools
@@ -24,9 +25,11 @@ from thermostat.engine.output_text import OutputText
 from thermostat.engine.outputs import QueuedRequest, RequestDelta
 from thermostat.engine.request import Request
 from thermostat.engine.scheduler import Scheduler
+from thermostat.engine.startup_log import log_ready
 from thermostat.engine.steps import Handoff, RunnerOutput, TokenLogprobs
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import resolve_kv_dtype
+from thermostat.models.registry import Drafter
 from thermostat.sampling.fanout import Plan, plan
 from thermostat.sampling.fields import SamplingParamError
 from thermostat.sampling.params import SamplingParams
@@ -71,69 +74,26 @@ class LLMEngine:
             config.max_num_batched_tokens,
             self.loaded.max_model_len,
         )
-        num_blocks = pools[0]
         self.cache = PagedKVCache(spec, pools, self.loaded.dtype, self.loaded.ops)
         self.blocks = KVBlocks.for_spec(spec, pools, config.enable_prefix_caching)
         # what a token of context costs (the main pool) and what a sequence holds whatever its
         # length (the window pools), in bytes: the startup line and /server_info report them
         self.kv_bytes_per_token = spec.bytes_per_token
         self.kv_fixed_bytes_per_sequence = spec.fixed_bytes_per_sequence
+        drafter = self._drafter()
         scheduling = SchedulerConfig.of(config, self.loaded.max_model_len)
+        if drafter is not None:  # one token per next-n layer
+            speculation = replace(scheduling.speculation, k=min(config.speculative_k, 1))
+            scheduling = replace(scheduling, speculation=speculation)
         self.scheduler = Scheduler(scheduling, self.blocks)
         self.runner = ModelRunner(
-            self.loaded.model, self.cache, config.block_size, arch.sliding_window
+            self.loaded.model, self.cache, config.block_size, arch.sliding_window, drafter
         )
         self.constraints = ConstraintCompiler(
             self.tokenizer, arch.vocab_size, self.loaded.eos_token_ids
         )
         self._emitting: dict[str, _Emitting] = {}
-        kv_bytes = sum(n * spec.pool_bytes_per_block(p) for p, n in enumerate(pools))
-        log.info(
-            "engine ready: %s (%s, %s), KV cache %d blocks x %d tokens (%s, %.2f of %g GB: "
-            "at most twice what max_num_seqs sequences of max_model_len hold), CPU kernels %s",
-            self.loaded.path,
-            arch.architecture,
-            self.loaded.dtype,
-            num_blocks,
-            config.block_size,
-            spec.dtype,
-            kv_bytes / 2**30,
-            config.kv_cache_memory_gb,
-            kernels.status() if config.cpu_kernels else "off (cpu_kernels=False)",
-        )
-        speculation = config.speculation
-        if speculation.on and not self.scheduler.speculation.on:
-            log.warning(
-                "speculative decoding (%s) is off: a cache with window pools (%s) keeps state "
-                "a rejected proposal would change",
-                speculation.method,
-                arch.architecture,
-            )
-        elif speculation.on:
-            log.info(
-                "speculative decoding: %s, up to %d tokens proposed per step (n-grams up to %d), "
-                "while at most %d requests run",
-                speculation.method,
-                speculation.k,
-                speculation.ngram,
-                speculation.max_running,
-            )
-        log.info(
-            "weights: %s from %s, %.1f MB%s",
-            self.loaded.weight_format,
-            self.loaded.weight_source,
-            self.loaded.weight_bytes / 1e6,
-            " (quantized at load: --quantization)" if config.quantization else "",
-        )
-        log.info(
-            "KV bytes per token of context %.1f, fixed per sequence %d%s",
-            self.kv_bytes_per_token,
-            self.kv_fixed_bytes_per_sequence,
-            "".join(
-                f", window {w} pool {n} blocks"
-                for w, n in zip(spec.pools[1:], pools[1:], strict=True)
-            ),
-        )
+        log_ready(self, spec, pools)
 
     @property
     def max_model_len(self) -> int:
@@ -284,6 +244,18 @@ class LLMEngine:
             handoff=self._handoff(req, result, e.prompt_logprobs),
             speculative=self._speculative(req),
         )
+
+    def _drafter(self) -> Drafter | None:
+        """The model as `--speculative mtp`'s proposer (None for another method); ModelLoadError
+        if it has no next-n layers."""
+        if self.config.speculative != "mtp":
+            return None
+        if not getattr(self.loaded.model, "num_next_n", 0):
+            raise ModelLoadError(
+                f"--speculative mtp: {self.loaded.path} has no multi-token-prediction layers "
+                "(num_nextn_predict_layers in config.json; DeepSeek-V3 checkpoints have one)"
+            )
+        return cast(Drafter, self.loaded.model)
 
     def _speculative(self, req: Request) -> dict[str, int | str] | None:
         """`sampling.speculative` of a request so far (None: speculation is off)."""

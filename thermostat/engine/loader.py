@@ -16,6 +16,7 @@ is served dequantized in the dtype. `LoadedModel.weight_format` is what is serve
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import time
@@ -121,7 +122,12 @@ def resolve_dtype(name: str, config: PretrainedConfig) -> torch.dtype:
 def load_configured(config: EngineConfig) -> LoadedModel:
     """`load_model` with an EngineConfig's settings."""
     return load_model(
-        config.model, config.dtype, config.max_model_len, config.cpu_kernels, config.quantization
+        config.model,
+        config.dtype,
+        config.max_model_len,
+        config.cpu_kernels,
+        config.quantization,
+        next_n=config.speculative == "mtp",
     )
 
 
@@ -140,10 +146,13 @@ def load_model(
     max_model_len: int | None = None,
     cpu_kernels: bool = True,
     quantization: str | None = None,
+    next_n: bool = False,
 ) -> LoadedModel:
     """`cpu_kernels`: use thermostat.kernels where this machine can run them (else, or when
     False, the pure-PyTorch path). `quantization`: int8 | int4 serves the weights in that
-    format (thermostat.models.weight_format), quantized once here; None: in the dtype."""
+    format (thermostat.models.weight_format), quantized once here; None: in the dtype.
+    `next_n`: build and load the checkpoint's multi-token-prediction layers (a proposer for
+    `--speculative mtp`); without it they are skipped."""
     path = resolve_model_path(model)
     try:
         check_quantization(quantization)
@@ -151,6 +160,9 @@ def load_model(
         raise ModelLoadError(str(exc)) from exc
     checkpoint = open_checkpoint(path)
     config = checkpoint.config
+    if not next_n and getattr(config, "num_nextn_predict_layers", None):
+        config = copy.copy(config)  # the layers stay in the checkpoint, unread
+        config.num_nextn_predict_layers = 0
     try:
         name, model_cls = model_class(list(getattr(config, "architectures", None) or []))
         arch = model_cls.arch_from_config(config, name)

@@ -8,8 +8,14 @@ from dataclasses import dataclass, field
 import torch
 
 from thermostat.engine.constraint import Bitmask
-from thermostat.engine.sampler import SamplingBatch, draw_uniforms, logprobs_of, sample_batch
-from thermostat.engine.speculative import accepted
+from thermostat.engine.logprobs import logprobs_of
+from thermostat.engine.sampler import (
+    SamplingBatch,
+    argmax_rows,
+    draw_uniforms,
+    sample_batch,
+)
+from thermostat.engine.speculative import accepted, draft_inputs
 from thermostat.engine.steps import (
     NewRequestData,
     RunnerOutput,
@@ -20,7 +26,7 @@ from thermostat.engine.steps import (
 )
 from thermostat.models.attention import AttentionMetadata, PrefillSegment
 from thermostat.models.kv_cache import PagedKVCache
-from thermostat.models.registry import CausalLM
+from thermostat.models.registry import CausalLM, Drafter
 
 
 @dataclass
@@ -36,6 +42,7 @@ class ModelRunner:
     cache: PagedKVCache
     block_size: int
     sliding_window: int | None = None
+    drafter: Drafter | None = None  # `--speculative mtp`: the model, whose next-n layer proposes
     requests: dict[str, RunnerRequest] = field(default_factory=dict, init=False)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -57,6 +64,8 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(chunks)
         hidden = self.model(input_ids, positions, meta, self.cache)
         self._sample(chunks, hidden, result)
+        if self.drafter is not None:
+            self._draft(self.drafter, chunks, hidden, positions, meta, result)
         offset = 0
         for chunk in chunks:
             n = len(chunk.token_ids)
@@ -114,6 +123,36 @@ class ModelRunner:
                     out.speculated_logprobs[chunk.req_id] = [
                         lp for lp in logprobs[1:keep] if lp is not None
                     ]
+
+    def _draft(
+        self,
+        drafter: Drafter,
+        chunks: list[ScheduledChunk],
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        out: RunnerOutput,
+    ) -> None:
+        """The next-n layer over every row of the step (its cache slots hold every computed
+        position; speculative.draft_inputs); each request that sampled gets its draft."""
+        emitted = {c.req_id: [out.sampled[c.req_id]] for c in chunks if c.sample}
+        for req_id, more in out.speculated.items():
+            emitted[req_id] += more
+        next_ids, rows, drafting = draft_inputs(chunks, emitted, self._sequence)
+        logits = drafter.draft(
+            hidden,
+            torch.tensor(next_ids, dtype=torch.int64),
+            positions,
+            meta,
+            self.cache,
+            torch.tensor(rows, dtype=torch.int64),
+        )
+        for req_id, token in zip(drafting, argmax_rows(logits).tolist(), strict=True):
+            out.drafts[req_id] = [token]
+
+    def _sequence(self, req_id: str) -> list[int]:
+        req = self.requests[req_id]
+        return req.data.prompt_token_ids + req.output_token_ids
 
     def _generator_states(
         self, scored: list[tuple[ScheduledChunk, int]]

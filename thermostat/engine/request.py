@@ -53,6 +53,7 @@ class Request:
     num_proposed: int = 0
     num_accepted: int = 0
     num_verifications: int = 0  # steps that checked proposals
+    drafts: list[int] = field(default_factory=list)  # the next-n layer's, after the last step
 
     @property
     def max_tokens(self) -> int:

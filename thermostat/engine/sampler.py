@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from thermostat.engine.logprobs import logprobs_of
 from thermostat.engine.steps import SamplerOutput, TokenLogprobs
 from thermostat.sampling.fields import BATCH_FIELDS, FIELD
 from thermostat.sampling.params import EffectiveParams
@@ -292,36 +293,3 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         for (i, _), lp in zip(want, scored, strict=True):
             logprobs[i] = lp
     return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
-
-
-def logprobs_of(lp: torch.Tensor, targets: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
-    """Row i of `lp` [N, V] (a log_softmax of raw logits) scoring `targets[i]` ([N] int64), with
-    its `ks[i]` most likely alternatives, best first (equal logprobs: the lower id first, so a
-    row's alternatives do not depend on the rows beside it)."""
-    chosen = lp.gather(1, targets[:, None])  # [N, 1]
-    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-    tops = top_alternatives(lp, max(ks, default=0))
-    columns = (targets.tolist(), chosen[:, 0].tolist(), ranks, tops)
-    return [TokenLogprobs(t, c, r, top[:k]) for t, c, r, top, k in zip(*columns, ks, strict=True)]
-
-
-def top_alternatives(lp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
-    """Each row's k largest (id, value), by value descending, then id ascending. torch.topk
-    breaks ties by the batch's shape; here a tie is broken by the id: topk(k + 1) settles the
-    set unless the k-th and the next value are equal, and then the ids holding that value are
-    looked up in the row (bfloat16 logits tie often)."""
-    k = min(k, lp.shape[-1])
-    if k == 0:
-        return [[] for _ in range(lp.shape[0])]
-    wide = min(k + 1, lp.shape[-1])
-    values, indices = lp.topk(wide, dim=-1)
-    tops = []
-    for row, (vals, ids) in enumerate(zip(values.tolist(), indices.tolist(), strict=True)):
-        pairs = list(zip(ids[:k], vals[:k], strict=True))
-        if wide > k and vals[k - 1] == vals[k]:  # the boundary is a tie: the lowest ids win
-            boundary = vals[k - 1]
-            pairs = [(i, v) for i, v in pairs if v > boundary]
-            tied = torch.nonzero(lp[row] == boundary).flatten().tolist()  # ids ascending
-            pairs += [(i, boundary) for i in tied[: k - len(pairs)]]
-        tops.append(sorted(pairs, key=lambda p: (-p[1], p[0])))
-    return tops

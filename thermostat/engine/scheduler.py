@@ -177,6 +177,8 @@ class Scheduler:
         )
         if room <= 0:
             return []
+        if spec.method == "mtp":
+            return req.drafts[:room]
         return propose(req.prompt_token_ids + req.output_token_ids, spec.ngram, room)
 
     def _reserve(self, req: Request, n: int) -> bool:
@@ -237,6 +239,7 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted or preempted meanwhile
             more = result.speculated.get(req.req_id, [])  # proposals confirmed, then the next
+            req.drafts = result.drafts.get(req.req_id, [])
             if chunk.proposed:  # the rows of the last token and the confirmed proposals hold
                 req.num_computed_tokens += 1 + len(more)
                 req.num_proposed += len(chunk.proposed)

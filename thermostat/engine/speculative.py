@@ -1,6 +1,8 @@
-"""Speculative decoding by prompt lookup: propose the tokens that followed the last n tokens the
-last time they occurred in the prompt or the output, and have the model check them in the step
-that computes the request's next token.
+"""Speculative decoding: a request proposes tokens, and the model checks them in the step that
+computes its next token. Proposers: prompt lookup (`ngram`: the tokens that followed the last n
+tokens the last time they occurred in the prompt or the output) and the checkpoint's
+multi-token-prediction layer (`mtp`, DeepSeek-V3: models/next_n.py; the runner runs it over
+every row of a step and it drafts one token, `draft_inputs`).
 
 A request that speculates schedules `[last, p1 .. pk]` (its last sampled token and k proposals);
 the runner computes every one of them as a decode row of its own (the same attention and the
@@ -29,12 +31,16 @@ rejected token would change).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from thermostat.sampling.params import EffectiveParams
 
-METHODS = ("off", "ngram")
+if TYPE_CHECKING:
+    from thermostat.engine.steps import ScheduledChunk
+
+METHODS = ("off", "ngram", "mtp")  # mtp: the checkpoint's next-n layers (models/next_n.py)
 # Proposals only while at most this many requests run: a decode step reads the weights once
 # whatever its rows, so at a few sequences checking k more tokens costs little (k = 4: about 1.05x
 # a plain step at batch 1), but at 8 sequences it costs 2.7x (benchmarks/bench_speculative.py).
@@ -45,7 +51,7 @@ PATIENCE = 32
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "off"  # off | ngram
+    method: str = "off"  # off | ngram | mtp
     k: int = 4  # tokens proposed per step at most
     ngram: int = 3  # the longest suffix matched; shorter ones down to 1 are tried in turn
     max_running: int = MAX_RUNNING  # requests propose only while at most this many run
@@ -97,3 +103,38 @@ def accepted(proposed: Sequence[int], model_tokens: Sequence[int]) -> int:
 def keeps_proposing(num_proposed: int, num_accepted: int) -> bool:
     """A request stops proposing once enough proposals were checked and few held."""
     return num_proposed < PATIENCE or num_accepted >= LOW_ACCEPTANCE * num_proposed
+
+
+def draft_inputs(
+    chunks: Sequence[ScheduledChunk],
+    emitted: Mapping[str, list[int]],
+    sequence: Callable[[str], list[int]],
+) -> tuple[list[int], list[int], list[str]]:
+    """`--speculative mtp`: the next-n layer's inputs for a step's rows (chunks in the step's
+    order), as (each row's next token, the row each sampling request drafts from, those
+    requests). A row's next token is the chunk's next input; at a sampled row, the token drawn
+    there (`emitted`: a sampling chunk's tokens this step, in order); at the end of a prefill
+    chunk that does not catch up, the sequence's next token. Rows past a rejected proposal get
+    a stand-in (later steps overwrite their cache slots). A request drafts from the row of its
+    last emitted token."""
+    next_ids: list[int] = []
+    rows: list[int] = []
+    drafting: list[str] = []
+    offset = 0
+    for chunk in chunks:
+        n = len(chunk.token_ids)
+        ahead = [*chunk.token_ids[1:], 0]  # row j's next token; the last one to fill in
+        tokens = emitted.get(chunk.req_id)
+        if tokens is not None:
+            if chunk.proposed:  # row j's next token is the one drawn there
+                ahead[: len(tokens)] = tokens
+            else:
+                ahead[-1] = tokens[0]
+            rows.append(offset + (len(tokens) - 1 if chunk.proposed else n - 1))
+            drafting.append(chunk.req_id)
+        else:
+            whole, end = sequence(chunk.req_id), chunk.start + n
+            ahead[-1] = whole[end] if end < len(whole) else 0
+        next_ids.extend(ahead)
+        offset += n
+    return next_ids, rows, drafting

@@ -105,5 +105,7 @@ class RunnerOutput:
     # own next token (engine/speculative.py); and their logprobs when asked for
     speculated: dict[str, list[int]] = field(default_factory=dict)
     speculated_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # `--speculative mtp`: what the model's next-n layer proposes after this step's tokens
+    drafts: dict[str, list[int]] = field(default_factory=dict)
     # prompt position -> logprobs of the prompt token at that position (position >= 1)
     prompt_logprobs: dict[str, dict[int, TokenLogprobs]] = field(default_factory=dict)

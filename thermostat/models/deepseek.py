@@ -6,7 +6,9 @@ block (thermostat.models.moe).
 |--------------------------------|----------------------------------------------------------|
 | [0, first_k_dense_replace)     | dense SiLU-gated MLP of `intermediate_size`              |
 | [first_k_dense_replace, L)     | routed experts + `n_shared_experts` shared (one MLP)     |
-| L and up, in a checkpoint      | multi-token-prediction (next-n) layers: skipped, logged  |
+| L and up, in a checkpoint      | multi-token-prediction (next-n) layers: loaded for       |
+|                                | `--speculative mtp` (thermostat.models.next_n), else     |
+|                                | skipped and logged                                       |
 
 Routing by architecture: V2 softmax top-k (`topk_method` greedy, or group_limited_greedy ranking
 groups by their best expert); V3 sigmoid scores plus `e_score_correction_bias` for the choice,
@@ -25,15 +27,19 @@ import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
+from thermostat.kernels import CpuOps
+from thermostat.models.attention import AttentionMetadata
+from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import CacheComponent, KVCacheSpec
 from thermostat.models.layers import MLP, DecoderStack, PreNormLayer, StackArch
 from thermostat.models.mla import MLAArch, MLAttention
 from thermostat.models.moe import MoEArch, SparseMoE, expert_target
+from thermostat.models.next_n import NextNLayer, next_n_name
 from thermostat.models.rope import rope_parameters
 from thermostat.models.weights import Index
 
@@ -66,6 +72,7 @@ class DeepseekArch(StackArch):
     moe: MoEArch | None  # None: every layer dense
     first_k_dense_replace: int
     sliding_window: int | None = None
+    num_next_n: int = 0  # next-n (MTP) layers built: the checkpoint's, when asked for
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, arch: str) -> DeepseekArch:
@@ -89,6 +96,7 @@ class DeepseekArch(StackArch):
             mla=mla,
             moe=_moe_arch(config, v3),
             first_k_dense_replace=getattr(config, "first_k_dense_replace", None) or 0,
+            num_next_n=int(getattr(config, "num_nextn_predict_layers", 0) or 0) if v3 else 0,
         )
 
     @property
@@ -125,6 +133,50 @@ class DeepseekModel(DecoderStack[DeepseekArch]):
     """A thermostat.models.registry.CausalLM for DeepseekV2ForCausalLM and
     DeepseekV3ForCausalLM checkpoints."""
 
+    def __init__(
+        self,
+        arch: DeepseekArch,
+        config: PretrainedConfig,
+        dtype: torch.dtype,
+        max_positions: int,
+        ops: CpuOps | None = None,
+    ) -> None:
+        super().__init__(arch, config, dtype, max_positions, ops)
+        self.num_next_n = arch.num_next_n
+        if self.num_next_n:
+            self.next_n = nn.ModuleList(
+                NextNLayer(
+                    arch.hidden_size,
+                    arch.vocab_size,
+                    arch.rms_norm_eps,
+                    self._layer(arch.num_layers + j),
+                    ops,
+                )
+                for j in range(self.num_next_n)
+            )
+            self._settle(dtype)
+
+    @torch.inference_mode()
+    def draft(
+        self,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """The first next-n layer over a step's rows (it writes its cache slots at every row):
+        `hidden` [T, H] the main model's output, `next_ids` [T] each row's next token; returns
+        its logits [len(rows), vocab] float32 at `rows` (for the token after that next token)."""
+        cos, sin = self.rotary.tables(positions)
+        layer = cast(NextNLayer, self.next_n[0])
+        h = layer(hidden, self.embed_tokens(next_ids), cos, sin, meta, cache)
+        if not len(rows):
+            return torch.empty(0, self.arch.vocab_size)
+        logits: torch.Tensor = layer.head(h[rows])
+        return logits.float()
+
     def _layer(self, i: int) -> nn.Module:
         a, ops = self.arch, self.ops
         attn = MLAttention(a.mla, i, ops)
@@ -144,20 +196,26 @@ class DeepseekModel(DecoderStack[DeepseekArch]):
     def cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """One "latent" of [kv_lora_rank + qk_rope_head_dim] per token and layer."""
         latent = CacheComponent("latent", (self.arch.mla.latent_dim,), dtype)
-        return KVCacheSpec(self.arch.num_layers, block_size, (latent,))
+        return KVCacheSpec(self.arch.num_layers + self.arch.num_next_n, block_size, (latent,))
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Per-expert or fused experts; gate/up fused at load. Layers past num_hidden_layers
-        (multi-token prediction) are skipped and logged."""
+        (multi-token prediction) load into `next_n` when it was built, else are skipped and
+        logged."""
         skipped: set[int] = set()
+        first, built = self.arch.num_layers, self.arch.num_layers + self.arch.num_next_n
 
         def main_layers() -> Iterator[tuple[str, torch.Tensor]]:
             for hf_name, tensor in tensors:
-                layer = _LAYER.match(hf_name.removeprefix("model."))
-                if layer is not None and int(layer[1]) >= self.arch.num_layers:
-                    skipped.add(int(layer[1]))
-                else:
+                name = hf_name.removeprefix("model.")
+                layer = _LAYER.match(name)
+                if layer is None or int(layer[1]) < first:
                     yield hf_name, tensor
+                elif int(layer[1]) < built:
+                    if (own := next_n_name(name, first)) is not None:
+                        yield own, tensor
+                else:
+                    skipped.add(int(layer[1]))
 
         super().load_weights(main_layers())
         if skipped:

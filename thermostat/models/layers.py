@@ -208,6 +208,10 @@ class DecoderStack(nn.Module, Generic[A]):
             self.lm_head.weight = self.embed_tokens.weight
         self.layers = nn.ModuleList(self._layer(i) for i in range(arch.num_layers))
         self.rotary = RotaryEmbedding(config, arch.rotary_dim, max_positions, dtype)
+        self._settle(dtype)
+
+    def _settle(self, dtype: torch.dtype) -> None:
+        """Every parameter in `dtype` (a Float32Module's in float32), eval mode."""
         self.to(dtype)
         for m in self.modules():
             if isinstance(m, Float32Module):

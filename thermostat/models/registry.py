@@ -41,6 +41,23 @@ class ArchFacts(Protocol):
     def max_position_embeddings(self) -> int: ...
 
 
+class Drafter(Protocol):
+    """A model with multi-token-prediction layers (models.next_n): after the main forward, one
+    more layer over the step's rows proposes each request's token after next."""
+
+    num_next_n: int
+
+    def draft(
+        self,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+        rows: torch.Tensor,
+    ) -> torch.Tensor: ...
+
+
 class CausalLM(Protocol):
     """A decoder over the paged KV cache. Built by the loader as
     `cls(cls.arch_from_config(config, name), config, dtype, max_positions, ops)`, then

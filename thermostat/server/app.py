@@ -16,6 +16,7 @@ from thermostat.engine.loader import DEMO_MODEL_DIR, model_config_dict, resolve_
 from thermostat.server.config import ServerConfig
 from thermostat.server.routes import router
 from thermostat.server.state import ServerState
+from thermostat.server.tokenizer_routes import router as tokenizer_router
 
 
 def locate_model(model: str) -> Path:
@@ -43,6 +44,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     install_error_handlers(app)
 
     app.include_router(router)
+    app.include_router(tokenizer_router)
     install_console(app, config)
     state.route_paths = {getattr(route, "path", "") for route in app.routes}
     app.add_middleware(BodyLimitsMiddleware, state=state)  # inside the gate: after auth

@@ -62,8 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=METHODS,
         default=ENGINE_DEFAULTS.speculative,
         help="ngram: requests propose the tokens that followed their last n-gram earlier in the "
-        "prompt or output, and the model checks them in one step (greedy and seeded output the "
-        "same, sampled output the same distribution; fewer steps where text repeats)",
+        "prompt or output; mtp: the checkpoint's multi-token-prediction layer proposes "
+        "(DeepSeek-V3); the model checks the proposals in one step (greedy and seeded output "
+        "the same, sampled output the same distribution)",
     )
     e.add_argument(
         "--speculative-k",
