@@ -25,7 +25,7 @@ class EngineConfig:
     stop_on_loop: bool = False  # end a generation once its text certainly ends in a loop
     cpu_kernels: bool = True  # compiled decode kernels where the CPU has them (thermostat.kernels)
     quantization: str | None = None  # int8 | int4: weights quantized at load; None: the dtype
-    speculative: str = "off"  # off | ngram: prompt-lookup speculation (engine/speculative.py)
+    speculative: str = "off"  # off | ngram (prompt lookup) | mtp (next-n layer): speculative.py
     speculative_k: int = 4  # tokens proposed per step at most
     speculative_ngram: int = 3  # the longest suffix looked up
     speculative_max_running: int = 4  # requests propose only while at most this many run
