@@ -139,7 +139,11 @@ def test_chunked_prefill_beside_speculating_decodes(tmp_path) -> None:
         same(plain.generate([prompt], GREEDY), speculating.generate([prompt], GREEDY))
 
 
-@pytest.mark.parametrize("kind", ["deepseek_v2", "qwen3_moe"])  # MLA's absorbed decode; MoE
+# MLA's absorbed decode, V3's router and dense first layer, the MoE families, Qwen2's biases,
+# Mistral's sliding window config
+@pytest.mark.parametrize(
+    "kind", ["deepseek_v2", "deepseek_v3", "qwen3_moe", "mixtral", "qwen2", "mistral", "qwen3"]
+)
 def test_other_families_greedy_equals_no_speculation(tmp_path, kind) -> None:
     path = write_model(tmp_path / kind, kind, dtype=torch.bfloat16)
     _, off = generate(path, REPEATING[:2], GREEDY)
