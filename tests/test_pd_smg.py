@@ -41,15 +41,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(url: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + HANG_GUARD_S
+def wait_for(url: str, proc: subprocess.Popen, log: Path, *others: Path) -> None:
+    """Until `url` answers 200; on a hang, the failure shows the last answer and the logs."""
+    deadline, last = time.monotonic() + HANG_GUARD_S, "no answer"
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"{url} exited:\n{log.read_text()[-3000:]}"
         with contextlib.suppress(httpx.TransportError):
-            if httpx.get(url, timeout=2).status_code == 200:
+            answer = httpx.get(url, timeout=2)
+            if answer.status_code == 200:
                 return
+            last = f"{answer.status_code} {answer.text[:500]}"
         time.sleep(0.2)
-    raise AssertionError(f"{hang(url + ' ready')}:\n{log.read_text()[-3000:]}")
+    tails = "".join(f"\n--- {p.name}:\n{p.read_text()[-1500:]}" for p in (log, *others))
+    raise AssertionError(f"{hang(url + ' ready')} (last: {last}){tails}")
 
 
 @dataclass
@@ -137,7 +141,7 @@ def pd_topology(model_dir: Path, logs: Path, *flags: str) -> Iterator[Topology]:
             router = subprocess.Popen(
                 smg_command(config, SMG or "smg"), stdout=log, stderr=subprocess.STDOUT
             )
-        wait_for(f"http://127.0.0.1:{rp}/readiness", router, router_log)
+        wait_for(f"http://127.0.0.1:{rp}/readiness", router, router_log, prefill.log, decode.log)
         yield Topology(prefill, decode, f"http://127.0.0.1:{rp}")
     finally:
         for proc in [router, *(w.proc for w in workers)]:
