@@ -19,6 +19,9 @@ from tests.server_utils import running_server
 from tests.test_pd_server import pd_post, single_post
 from thermostat import LLM, SamplingParams
 from thermostat.engine.checkpoint import ModelLoadError
+from thermostat.engine.config import EngineConfig
+from thermostat.server.app import create_app
+from thermostat.server.config import ServerConfig
 
 OWN = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 5, 17], [200, 201, 202, 203, 204, 11, 12]]
@@ -135,6 +138,9 @@ def test_mtp_without_next_n_layers_is_refused(tmp_path) -> None:
     path = write_model(tmp_path / "v2", "deepseek_v2")
     with pytest.raises(ModelLoadError, match="no multi-token-prediction layers"):
         LLM(str(path), speculative="mtp")
+    engine = EngineConfig(model=str(path), speculative="mtp")
+    with pytest.raises(ModelLoadError, match="no multi-token-prediction layers"):
+        create_app(ServerConfig(engine=engine))  # `serve` refuses it before loading anything
 
 
 def test_pd_halves_both_drafting_answer_as_a_single_server(v3) -> None:

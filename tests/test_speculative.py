@@ -67,6 +67,8 @@ def test_low_acceptance_stops_proposals_and_bad_settings_are_refused() -> None:
         EngineConfig(speculative="medusa")
     with pytest.raises(ValueError, match="k, ngram and max_running"):
         SpeculativeConfig("ngram", k=0)
+    with pytest.raises(ValueError, match="k, ngram and max_running"):
+        EngineConfig(speculative="ngram", speculative_max_running=0)
 
 
 # --- greedy output is the same bits ---------------------------------------------------------------

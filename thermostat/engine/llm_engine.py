@@ -25,6 +25,7 @@ from thermostat.engine.output_text import OutputText
 from thermostat.engine.outputs import QueuedRequest, RequestDelta
 from thermostat.engine.request import Request
 from thermostat.engine.scheduler import Scheduler
+from thermostat.engine.speculative import no_next_n
 from thermostat.engine.startup_log import log_ready
 from thermostat.engine.steps import Handoff, RunnerOutput, TokenLogprobs
 from thermostat.models.kv_cache import PagedKVCache
@@ -251,10 +252,7 @@ class LLMEngine:
         if self.config.speculative != "mtp":
             return None
         if not getattr(self.loaded.model, "num_next_n", 0):
-            raise ModelLoadError(
-                f"--speculative mtp: {self.loaded.path} has no multi-token-prediction layers "
-                "(num_nextn_predict_layers in config.json; DeepSeek-V3 checkpoints have one)"
-            )
+            raise ModelLoadError(no_next_n(self.loaded.path))
         return cast(Drafter, self.loaded.model)
 
     def _speculative(self, req: Request) -> dict[str, int | str] | None:

@@ -72,6 +72,14 @@ class SpeculativeConfig:
         return self.method != "off"
 
 
+def no_next_n(path: object) -> str:
+    """Why `--speculative mtp` cannot serve the model at `path`."""
+    return (
+        f"--speculative mtp: {path} has no multi-token-prediction layers "
+        "(num_nextn_predict_layers in config.json; DeepSeek-V3 checkpoints have one)"
+    )
+
+
 def propose(tokens: Sequence[int], ngram: int, k: int) -> list[int]:
     """Up to k tokens that followed the most recent earlier occurrence of the last n tokens of
     `tokens`, for n from `ngram` down to 1 (the longest suffix that occurred before wins)."""

@@ -13,6 +13,7 @@ from thermostat.api.errors import install_error_handlers
 from thermostat.api.middleware import GateMiddleware
 from thermostat.engine.checkpoint import ModelLoadError
 from thermostat.engine.loader import DEMO_MODEL_DIR, model_config_dict, resolve_model_path
+from thermostat.engine.speculative import no_next_n
 from thermostat.server.config import ServerConfig
 from thermostat.server.routes import router
 from thermostat.server.state import ServerState
@@ -35,8 +36,11 @@ def create_app(config: ServerConfig) -> FastAPI:
     apply to this model) before anything is loaded. The model loads when the app starts."""
     model_dir = locate_model(config.engine.model)
     name = config.served_model_name or ("demo" if config.engine.model == "demo" else model_dir.name)
+    model_config = model_config_dict(model_dir)
+    if config.engine.speculative == "mtp" and not model_config.get("num_nextn_predict_layers"):
+        raise ModelLoadError(no_next_n(model_dir))  # refused before anything loads
     defaults = DefaultsReport.for_model(
-        model_dir, name, config.sampling_defaults, config.policy, model_config_dict(model_dir)
+        model_dir, name, config.sampling_defaults, config.policy, model_config
     )
     state = ServerState(config, model_dir, defaults)
     app = FastAPI(title="Thermostat", lifespan=state.lifespan)
