@@ -99,9 +99,7 @@ class ModelRunner:
         drawn = self._generator_states(scored)
         sampled = sample_batch(logits, self._sampling_batch(scored))
         at = 0
-        for chunk, i in scored:
-            if i:
-                continue
+        for chunk in (c for c in chunks if c.sample):  # in the order of their scored rows
             width = 1 + len(chunk.proposed)
             tokens = sampled.token_ids[at : at + width]
             logprobs = sampled.logprobs[at : at + width]
