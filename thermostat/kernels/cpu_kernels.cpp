@@ -14,6 +14,8 @@
 //                  them, else bf16 dot products; one arithmetic for any batch (batch invariance)
 //   linear_quant   y = x W^T + b with int8 or 4-bit weights (blocks of 32) and activations
 //                  quantized per block, int8 dot products (AVX512-VNNI); batch invariant too
+//   DecodeStack    a dense Llama-family decode step through every layer in one call: the
+//                  functions above in the Python forward's order (the same bits, no Python between)
 //
 // Every function checks its inputs and raises (a Python ValueError/RuntimeError) rather than
 // reading out of bounds. Threads: at::parallel_for, the same OpenMP pool as torch.
@@ -31,6 +33,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -913,6 +916,94 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t N, int
   });
 }
 
+
+// ---------------------------------------------------------------- decode stack
+//
+// A dense Llama-family decoder's decode step (one new token per row, every row a decode) in one
+// call: per layer, norm, the qkv projection, q/k norms (Qwen3), rotary, the cache write, decode
+// attention, the output projection, add + norm and the SwiGLU MLP, then the final add + norm.
+// It calls the functions above in the order, and with the arguments, that the layers' Python
+// forward (thermostat/models/llama.py) calls them, so its hidden states are the same bits; what
+// it saves is the Python between them. thermostat/models/compiled_decode.py decides where it
+// applies.
+
+struct StackLinear {
+  torch::Tensor packed;
+  int64_t n;
+  int64_t bits;  // 16: bf16 packed by pack_vnni (linear_vnni); 8 or 4: linear_quant
+  c10::optional<torch::Tensor> bias;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    return bits == 16 ? linear_vnni(x, packed, n, bias)
+                      : linear_quant(x.contiguous(), packed, n, bits, bias);
+  }
+};
+
+struct StackLayer {
+  torch::Tensor input_norm, post_norm;
+  StackLinear qkv, o, gate_up, down;
+  c10::optional<torch::Tensor> q_norm, k_norm;  // per head (Qwen3): torch's rms_norm, as in Python
+  torch::Tensor key_cache, value_cache, key_scale, value_scale;
+};
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
+              torch::Tensor final_norm)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
+        final_norm_(std::move(final_norm)) {}
+
+  void add_layer(StackLayer layer) {
+    TORCH_CHECK_VALUE(layer.qkv.n == (heads_ + 2 * kv_heads_) * head_dim_ &&
+                          layer.o.n == final_norm_.numel() && layer.down.n == final_norm_.numel(),
+                      "DecodeStack: the layer's projections do not match the stack's shape");
+    TORCH_CHECK_VALUE(layer.q_norm.has_value() == layer.k_norm.has_value(),
+                      "DecodeStack: q and k norms come together");
+    layers_.push_back(std::move(layer));
+  }
+
+  // x [T, hidden]: the rows' embeddings; cos, sin [T, head_dim]; slots [T]; block_tables
+  // [T, nb]; context_lens [T]; window 0 = none. Returns the final norm's output [T, hidden].
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& slots, const torch::Tensor& block_tables,
+                        const torch::Tensor& context_lens, int64_t window) const {
+    TORCH_CHECK_VALUE(!layers_.empty(), "DecodeStack: no layers");
+    TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == final_norm_.numel(),
+                      "DecodeStack: x must be [T, hidden]");
+    const int64_t T = x.size(0), H = heads_, Hkv = kv_heads_, D = head_dim_;
+    torch::Tensor residual = x.contiguous();
+    torch::Tensor out;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const StackLayer& L = layers_[i];
+      torch::Tensor h = i == 0 ? rms_norm(residual, L.input_norm, eps_)
+                               : add_rms_norm(out, residual, L.input_norm, eps_);
+      const torch::Tensor qkv = L.qkv(h);
+      torch::Tensor qk = qkv.narrow(1, 0, (H + Hkv) * D).view({T, H + Hkv, D});
+      const torch::Tensor v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D});
+      if (L.q_norm) {
+        const std::vector<int64_t> dim{D};
+        qk = at::cat({at::rms_norm(qk.narrow(1, 0, H), dim, *L.q_norm, eps_),
+                      at::rms_norm(qk.narrow(1, H, Hkv), dim, *L.k_norm, eps_)},
+                     1);
+      }
+      rotary_(qk, cos, sin);
+      write_kv(L.key_cache, L.value_cache, qk.narrow(1, H, Hkv), v, slots);
+      const torch::Tensor o =
+          decode_attention(qk.narrow(1, 0, H), L.key_cache, L.value_cache, L.key_scale,
+                           L.value_scale, block_tables, context_lens, scale_, window);
+      h = add_rms_norm(L.o(o.reshape({T, H * D})), residual, L.post_norm, eps_);
+      out = L.down(silu_mul(L.gate_up(h)));
+    }
+    return add_rms_norm(out, residual, final_norm_, eps_);
+  }
+
+ private:
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_, scale_;
+  torch::Tensor final_norm_;
+  std::vector<StackLayer> layers_;
+};
+
 }  // namespace
 
 // The kernels touch no Python object, so each releases the GIL while it runs (as ATen's own ops
@@ -930,6 +1021,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_vnni", &linear_vnni, "x W^T + b for bf16 rows, the same bits per row at any M",
         nogil);
   m.def("uses_amx", &uses_amx, "whether linear_vnni runs on AMX tiles here");
+  py::class_<StackLinear>(m, "StackLinear")
+      .def(py::init<torch::Tensor, int64_t, int64_t, c10::optional<torch::Tensor>>());
+  py::class_<StackLayer>(m, "StackLayer")
+      .def(py::init<torch::Tensor, torch::Tensor, StackLinear, StackLinear, StackLinear,
+                    StackLinear, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                    torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>());
+  py::class_<DecodeStack>(m, "DecodeStack")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("forward", &DecodeStack::forward, "a decode step through every layer", nogil);
   m.def("linear_quant", &linear_quant, "x W^T + b with int8 / 4-bit weights in blocks of 32",
         nogil);
 }

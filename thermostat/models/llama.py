@@ -15,6 +15,7 @@ from torch import nn
 
 from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata, paged_attention
+from thermostat.models.compiled_decode import CompiledDecode, compiled_decode
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import KVCacheSpec
 from thermostat.models.layers import MLP, DecoderStack, PreNormLayer, RMSNorm, StackArch
@@ -140,6 +141,27 @@ class Attention(nn.Module):
 class LlamaFamilyModel(DecoderStack[ModelArch]):
     """A thermostat.models.registry.CausalLM for Llama, Mistral, Qwen2, Qwen3, Mixtral and
     Qwen3-MoE checkpoints."""
+
+    _compiled: tuple[PagedKVCache, CompiledDecode | None] | None = None
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """A batch of decode rows runs in one compiled call where it applies
+        (thermostat.models.compiled_decode: the same bits); anything else layer by layer."""
+        if not meta.prefills and meta.num_decodes and self.ops is not None:
+            if self._compiled is None or self._compiled[0] is not cache:
+                self._compiled = (cache, compiled_decode(self, cache))
+            step = self._compiled[1]
+            if step is not None:
+                cos, sin = self.rotary.tables(positions)
+                return step(self.embed_tokens(input_ids), cos, sin, meta)
+        return super().forward(input_ids, positions, meta, cache)
 
     def _layer(self, i: int) -> nn.Module:
         a, ops = self.arch, self.ops

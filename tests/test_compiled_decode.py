@@ -1,0 +1,110 @@
+"""The compiled decode step (thermostat/models/compiled_decode.py) gives the same bits as the
+layers' Python forward, for every dense Llama-family shape it takes, and steps aside where it
+does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import thermostat.models.llama as llama
+from tests.conftest import write_model
+from thermostat import LLM, SamplingParams, kernels
+from thermostat.models.compiled_decode import compiled_decode
+from thermostat.models.layers import DecoderStack
+
+pytestmark = pytest.mark.skipif(kernels.ops() is None, reason=f"CPU kernels {kernels.status()}")
+
+SHAPE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
+CASES = {  # name: (kind, overrides, quantization)
+    "llama-bf16": ("llama", {}, None),
+    "llama-int8": ("llama", {}, "int8"),
+    "llama-int4": ("llama", {}, "int4"),
+    "qwen2-bias-int8": ("qwen2", {}, "int8"),  # qkv bias
+    "qwen3-qk-norm": ("qwen3", {"head_dim": 32}, None),
+    "mistral-window": ("mistral", {"sliding_window": 8}, "int8"),
+    "llama-untied": ("llama", {"tie_word_embeddings": False}, None),
+}
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11], [200, 201, 202, 203] * 5]
+
+
+def _llm(tmp_path, case: str, **options) -> LLM:
+    kind, overrides, quantization = CASES[case]
+    path = write_model(tmp_path / case, kind, **(SHAPE | overrides))
+    return LLM(str(path), dtype="bfloat16", quantization=quantization, **options)
+
+
+def _run(llm: LLM, params: SamplingParams) -> list[tuple[list[int], str]]:
+    outs = llm.generate(PROMPTS, params)
+    return [(o.token_ids, repr(o.completions[0].logprobs)) for o in outs]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_compiled_step_is_the_python_forward_bit_for_bit(tmp_path, case):
+    """One decode batch of three sequences of different lengths (one past the sliding window):
+    the compiled call and the Python layers give equal hidden states; then whole generations
+    (greedy, with logprobs) are equal with it on and off."""
+    llm = _llm(tmp_path, case)
+    runner = llm.engine.runner
+    model, cache = runner.model, runner.cache
+    captured = []
+    execute = runner.execute
+
+    def capture(out):
+        chunks = [c for c in out.chunks if c.token_ids]
+        if not captured and chunks and all(len(c.token_ids) == 1 for c in chunks):
+            captured.append(runner._prepare(chunks))
+        return execute(out)
+
+    runner.execute = capture
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True)
+    with_compiled = _run(llm, params)
+    assert model._compiled is not None and model._compiled[1] is not None
+    ids, positions, meta = captured[0]
+    assert meta.num_decodes == len(PROMPTS) and not meta.prefills
+    compiled = model(ids, positions, meta, cache)
+    python = DecoderStack.forward(model, ids, positions, meta, cache)
+    assert torch.equal(compiled, python)
+
+    model._compiled = (cache, None)  # the Python layers from here on
+    assert _run(llm, params) == with_compiled
+
+
+def test_speculative_rows_take_the_compiled_step(tmp_path):
+    """Prompt-lookup speculation checks several rows of one sequence in a decode batch: the same
+    tokens with the compiled step on and off."""
+    llm = _llm(tmp_path, "llama-int8", speculative="ngram")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    on = _run(llm, params)
+    model = llm.engine.runner.model
+    assert model._compiled is not None and model._compiled[1] is not None
+    model._compiled = (llm.engine.runner.cache, None)
+    assert _run(llm, params) == on
+
+
+@pytest.mark.parametrize(
+    "case, options",
+    [
+        ("llama-bf16", {"kv_cache_dtype": "fp8_e4m3"}),  # the cache is written in Python
+        ("llama-bf16", {"dtype": "float32"}),  # float32 linears stay PyTorch's
+    ],
+    ids=["fp8-kv", "float32"],
+)
+def test_it_steps_aside_where_an_op_is_not_compiled(tmp_path, case, options, monkeypatch):
+    kind, overrides, _ = CASES[case]
+    path = write_model(tmp_path / case, kind, **(SHAPE | overrides))
+    llm = LLM(str(path), **({"dtype": "bfloat16"} | options))
+    runner = llm.engine.runner
+    assert compiled_decode(runner.model, runner.cache) is None
+    out = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4))
+    assert all(len(o.token_ids) == 4 for o in out)
+
+
+def test_a_mixture_of_experts_layer_keeps_the_python_forward(tmp_path):
+    path = write_model(
+        tmp_path / "mixtral", "mixtral", **SHAPE, num_local_experts=4, num_experts_per_tok=2
+    )
+    llm = LLM(str(path), dtype="bfloat16")
+    runner = llm.engine.runner
+    assert isinstance(runner.model, llama.LlamaFamilyModel)
+    assert compiled_decode(runner.model, runner.cache) is None
