@@ -45,6 +45,7 @@ def test_pack_unpack_round_trip_and_rows(fmt, n, k):
     assert full.shape == (n, k)
     ids = torch.tensor([[0, n - 1], [n // 2, 3 % n]])
     assert torch.equal(qw.rows(ids, torch.float32), full[ids])
+    assert torch.equal(qw.rows(torch.arange(n), torch.float32), full)  # every row's own bytes
     bound = 0.01 if fmt == "int8" else 0.1  # relative to each block's largest weight
     blocks = torch.nn.functional.pad(w, (0, -k % 32)).view(n, -1, 32).abs().amax(-1)
     err = torch.nn.functional.pad(full - w, (0, -k % 32)).view(n, -1, 32).abs().amax(-1)

@@ -187,23 +187,27 @@ class QuantizedWeight:
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` (any shape) of the weight, dequantized: [*ids.shape, K] in `dtype` (an
-        embedding lookup)."""
-        groups, kb, _ = self.packed.shape
+        embedding lookup). Gathers only the rows' own bytes: d (and z) and the weights of each
+        of their K blocks."""
+        groups, kb, record = self.packed.shape
+        header, quads = HEADER[self.bits], 8 if self.bits == 8 else 4
         flat = ids.reshape(-1)
-        g, c, n = flat // 64, flat % 64 // 16, flat % 16
-        d_all, z_all = self._header()
-        d = d_all.view(groups, kb, 4, 16)[g, :, c, n].float()[..., None]  # [T, KB, 1]
-        body = self.packed[..., HEADER[self.bits] :]
+        lane = flat % 64  # the output's place in its group's [c][n] order
+        c, n = lane // 16, lane % 16
+        # [T, KB]: where each of the rows' records starts
+        base = (flat // 64 * kb)[:, None] * record + torch.arange(kb)[None, :] * record
+        data = self.packed.view(-1)
+        d_at = (base + 2 * lane[:, None])[..., None] + torch.arange(2)
+        d = data[d_at].view(torch.float16)[..., 0].float()[..., None]  # [T, KB, 1]
+        # the rows' weight bytes of a record: [kq][c][n][4], K = 4 kq + j (int4: + 16, high)
+        within = (torch.arange(quads) * 256)[:, None] + torch.arange(4)
+        at = base[..., None] + (header + c * 64 + n * 4)[:, None, None] + within.reshape(-1)
+        b = data[at]  # [T, KB, 4 quads]
         if self.bits == 8:
-            tiles = body.reshape(groups, kb, 8, 4, 16, 4)
-            q = tiles[g, :, :, c, n].reshape(len(flat), kb, BLOCK).to(torch.int16) - 128
-            w = q.float() * d
+            w = (b.to(torch.int16) - 128).float() * d
         else:
-            tiles = body.reshape(groups, kb, 4, 4, 16, 4)
-            b = tiles[g, :, :, c, n]  # [T, KB, kq, j]
-            q = torch.cat([b & 15, b >> 4], dim=2).reshape(len(flat), kb, BLOCK)
-            assert z_all is not None
-            z = z_all.view(groups, kb, 4, 16)[g, :, c, n].float()[..., None]
+            q = torch.cat([b & 15, b >> 4], dim=2)
+            z = data[base + 128 + lane[:, None]].view(torch.int8).float()[..., None]
             w = (q.float() - z) * d
         out = w.reshape(len(flat), -1)[:, : self.in_features].to(dtype)
         return out.reshape(*ids.shape, self.in_features)
