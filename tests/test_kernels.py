@@ -264,3 +264,25 @@ def test_linear_quant_refuses_bad_input():
         ops.linear_quant(torch.randn(1, 64), replace(q4, bits=8), None)
     with pytest.raises(ValueError, match="bits must be 8 or 4"):
         ops.linear_quant(torch.randn(1, 64), replace(q4, bits=5), None)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(7, 33), (130, 100), (300, 576)])
+def test_quant_rows_are_the_reference_rows(fmt, dtype, n, k):
+    """The embedding lookup of a quantized table gives QuantizedWeight.rows' values exactly."""
+    qw = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(n)), fmt)
+    ids = torch.tensor([0, n - 1, n // 2, 0, 3 % n])
+    got = ops.quant_rows(qw, ids, dtype)
+    assert got.dtype == dtype and torch.equal(got, qw.rows(ids, dtype))
+    assert torch.equal(ops.quant_rows(qw, torch.arange(n), dtype), qw.rows(torch.arange(n), dtype))
+
+
+def test_quant_rows_refuses_bad_ids():
+    qw = quantize(torch.randn(8, 64), "int8")
+    with pytest.raises(ValueError, match="id out of range"):
+        ops.quant_rows(qw, torch.tensor([8]), torch.bfloat16)
+    with pytest.raises(ValueError, match="id out of range"):
+        ops.quant_rows(qw, torch.tensor([-1]), torch.bfloat16)
+    with pytest.raises(ValueError, match="int64"):
+        ops.quant_rows(qw, torch.tensor([1], dtype=torch.int32), torch.bfloat16)

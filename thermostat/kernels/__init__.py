@@ -20,6 +20,7 @@ that make the choice; forward code calls the function chosen:
 |                        | moe.Experts.__init__           | moe_intermediate_size % 16 == 0        |
 | pack_vnni, linear_vnni | linear.PackedLinear.__init__   | bf16 (every batch size)                |
 | linear_quant           | linear.QuantLinear (quant.py)  | int8 / int4 weights (every batch size) |
+| quant_rows             | linear.QuantEmbedding          | int8 / int4 embeddings                 |
 | write_kv               | kv_cache.PagedKVCache.__init__ | key/value stored in the compute dtype  |
 | decode_attention       | kv_cache.PagedKVCache.__init__ | key/value in fp8 or the compute dtype, |
 |                        |                                | head_dim % 16 == 0 and <= 256          |
@@ -148,6 +149,16 @@ class CpuOps:
         same bits whatever M is."""
         y: torch.Tensor = self.module.linear_quant(
             x, weight.packed, weight.out_features, weight.bits, bias
+        )
+        return y
+
+    def quant_rows(
+        self, weight: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Rows `ids` [T] int64 of an int8 / 4-bit weight, dequantized: [T, in_features] in
+        `dtype` (an embedding lookup; the same values as QuantizedWeight.rows)."""
+        y: torch.Tensor = self.module.quant_rows(
+            weight.packed, ids, weight.out_features, weight.in_features, weight.bits, dtype
         )
         return y
 

@@ -927,6 +927,47 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t N, int
 }
 
 
+// Rows `ids` [T] of a weight packed as above, dequantized to `dtype` [T, k] (an embedding
+// lookup): w = float(q - z) * float(d), rounded once, as QuantizedWeight.rows computes it.
+torch::Tensor quant_rows(torch::Tensor packed, torch::Tensor ids, int64_t n, int64_t k,
+                         int64_t bits, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(bits == 8 || bits == 4, "quant_rows: bits must be 8 or 4");
+  const QuantLayout layout = quant_layout(static_cast<int>(bits));
+  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.is_contiguous() &&
+                        packed.scalar_type() == at::kByte && packed.size(2) == layout.record,
+                    "quant_rows: weight must be packed int", bits);
+  const int64_t KB = packed.size(1);
+  TORCH_CHECK_VALUE(k <= KB * 32 && k > KB * 32 - 32 && n <= packed.size(0) * 64,
+                    "quant_rows: n or k does not match the packed weight");
+  TORCH_CHECK_VALUE(ids.dim() == 1 && ids.is_contiguous() && ids.scalar_type() == at::kLong,
+                    "quant_rows: ids must be [T] int64");
+  const int64_t T = ids.size(0);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK_VALUE(ip[t] >= 0 && ip[t] < n, "quant_rows: id out of range");
+  }
+  auto out = torch::empty({T, k}, packed.options().dtype(dtype));
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  THERMOSTAT_DISPATCH_FLOAT(dtype, "quant_rows", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t g = ip[t] / 64, lane = ip[t] % 64, c = lane / 16, j = lane % 16;
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        const uint8_t* rec = wp + (g * KB + kb) * layout.record;
+        const float d = static_cast<float>(reinterpret_cast<const c10::Half*>(rec)[lane]);
+        const float z = bits == 8 ? 128.0f : static_cast<float>(static_cast<int8_t>(rec[128 + lane]));
+        for (int64_t i = 0; i < 32 && kb * 32 + i < k; ++i) {
+          const int64_t kq = bits == 8 ? i / 4 : (i % 16) / 4, part = i % 4;
+          const uint8_t byte = rec[layout.header + ((kq * 4 + c) * 16 + j) * 4 + part];
+          const int q = bits == 8 ? byte : (i < 16 ? byte & 15 : byte >> 4);
+          op[t * k + kb * 32 + i] = static_cast<scalar_t>((static_cast<float>(q) - z) * d);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 // ---------------------------------------------------------------- decode stack
 //
 // A dense Llama-family decoder's decode step (one new token per row, every row a decode) in one
@@ -1041,6 +1082,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("forward", &DecodeStack::forward, "a decode step through every layer", nogil);
+  m.def("quant_rows", &quant_rows, "rows of an int8 / 4-bit packed weight, dequantized", nogil);
   m.def("linear_quant", &linear_quant, "x W^T + b with int8 / 4-bit weights in blocks of 32",
         nogil);
 }

@@ -116,15 +116,18 @@ class QuantLinear(nn.Module):
 
 class QuantEmbedding(nn.Module):
     """Embedding rows read out of a QuantizedWeight [vocab, hidden] (the one a tied LM head
-    multiplies by), dequantized to `dtype` as they are gathered."""
+    multiplies by), dequantized to `dtype` as they are gathered (the kernels' `quant_rows`;
+    QuantizedWeight.rows is its reference)."""
 
-    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, ops: CpuOps) -> None:
         super().__init__()
         self.weight = weight
         self.dtype = dtype
+        self.ops = ops
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight.rows(ids, self.dtype)
+        rows = self.ops.quant_rows(self.weight, ids.reshape(-1).contiguous(), self.dtype)
+        return rows.reshape(*ids.shape, self.weight.in_features)
 
 
 def weight_of(module: nn.Module) -> torch.Tensor:

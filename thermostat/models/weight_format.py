@@ -69,7 +69,7 @@ def quantize_model(
     if isinstance(embed, (nn.Embedding, PackedEmbedding)):
         rows = embed.weight.detach() if isinstance(embed, nn.Embedding) else embed.table()
         table = quantize(rows, "int8")
-        model.embed_tokens = QuantEmbedding(table, dtype or rows.dtype)
+        model.embed_tokens = QuantEmbedding(table, dtype or rows.dtype, ops)
         if tied:
             model.lm_head = QuantLinear(table, None, ops)
     if head is not None and not tied:
