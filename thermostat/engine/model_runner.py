@@ -221,29 +221,32 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
+        slots: list[int] = []  # each new token's cache slot, then per window pool
+        window_slots: list[list[int]] = [[] for _ in chunks[0].window_tables]
         for c in chunks:
+            span = range(c.start, c.start + len(c.token_ids))
             input_ids.extend(c.token_ids)
-            positions.extend(range(c.start, c.start + len(c.token_ids)))
-        pos = torch.tensor(positions, dtype=torch.int64)
+            positions.extend(span)
+            slots.extend(c.block_table[p // bs] * bs + p % bs for p in span)
+            for pool_slots, pool_table in zip(window_slots, c.window_tables, strict=True):
+                pool_slots.extend(pool_table[p // bs] * bs + p % bs for p in span)
         decodes = [c for c in chunks if _decode_rows(c)]
         tables = self._block_tables([c.block_table for c in chunks])
-        owner = torch.repeat_interleave(
-            torch.arange(len(chunks)), torch.tensor([len(c.token_ids) for c in chunks])
-        )
-        slot_mapping = tables[owner, pos // bs] * bs + pos % bs
         window_tables = tuple(
             self._block_tables([c.window_tables[p] for c in chunks])
             for p in range(len(chunks[0].window_tables))
         )
-        window_slots = tuple(t[owner, pos // bs] * bs + pos % bs for t in window_tables)
 
         # one decode row per token of a decode chunk, each attending up to its own position
-        decode_owner = [i for i, c in enumerate(decodes) for _ in c.token_ids]
-        nd = len(decode_owner)
-        context_lens = torch.tensor(
-            [c.start + j + 1 for c in decodes for j in range(len(c.token_ids))], dtype=torch.int64
-        )
-        num_blocks = (int(context_lens.max()) + bs - 1) // bs if nd else 0
+        lens = [c.start + j + 1 for c in decodes for j in range(len(c.token_ids))]
+        nd = len(lens)
+        num_blocks = (max(lens) + bs - 1) // bs if nd else 0
+        if nd == len(decodes):  # one row per decode chunk: the first nd tables
+            decode_tables = tables[:nd, :num_blocks].contiguous()
+        else:
+            decode_owner = [i for i, c in enumerate(decodes) for _ in c.token_ids]
+            decode_tables = tables[decode_owner, :num_blocks].contiguous()
+        context_lens = torch.tensor(lens, dtype=torch.int64)
         ctx_pos = torch.arange(num_blocks * bs)
         decode_mask = ctx_pos[None, :] < context_lens[:, None]
         if self.sliding_window is not None:
@@ -256,17 +259,21 @@ class ModelRunner:
                 PrefillSegment(q_len, ctx_len, table, self._prefill_mask(c.start, q_len))
             )
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
             num_decodes=nd,
-            decode_block_tables=tables[decode_owner, :num_blocks].contiguous(),
+            decode_block_tables=decode_tables,
             decode_context_lens=context_lens,
             decode_mask=decode_mask[:, None, None, :],
             prefills=prefills,
             sliding_window=self.sliding_window,
-            window_slot_mappings=window_slots,
+            window_slot_mappings=tuple(torch.tensor(w, dtype=torch.int64) for w in window_slots),
             window_block_tables=window_tables,
         )
-        return torch.tensor(input_ids, dtype=torch.int64), pos, meta
+        return (
+            torch.tensor(input_ids, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            meta,
+        )
 
     def _prefill_mask(self, start: int, q_len: int) -> torch.Tensor | None:
         """[q_len, start + q_len] bool, True = attend; None = plain causal from position 0."""
