@@ -262,7 +262,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     const scalar_t* gp = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t stride = gate_up.stride(0);
-    at::parallel_for(0, T * (I / kLanes), 64, [&](int64_t b, int64_t e) {
+    // grain: a decode row (I / 16 vectors of a few instructions each) runs inline, not forked
+    at::parallel_for(0, T * (I / kLanes), 1024, [&](int64_t b, int64_t e) {
       for (int64_t c = b; c < e; ++c) {
         const int64_t t = c / (I / kLanes), i = (c % (I / kLanes)) * kLanes;
         const __m512 g = load16(gp + t * stride + i), u = load16(gp + t * stride + I + i);
