@@ -53,8 +53,7 @@ def compiled_decode(model: DecoderStack[Any], cache: PagedKVCache) -> CompiledDe
     if (
         ops is None
         or len(cache.spec.pools) != 1
-        or cache._write != cache._write_compiled
-        or cache._decode != cache._decode_compiled
+        or not cache.in_place_kernels
         or not _compiled_norm(model.norm)
     ):
         return None
@@ -100,7 +99,7 @@ def _layer_parts(layer: nn.Module, i: int, cache: PagedKVCache, module: Any) -> 
 
 
 def _compiled_norm(norm: nn.Module) -> bool:
-    return isinstance(norm, RMSNorm) and getattr(norm._norm, "__self__", None) is not None
+    return isinstance(norm, RMSNorm) and norm.compiled
 
 
 def _linear(m: nn.Module, module: Any) -> Any | None:

@@ -99,6 +99,12 @@ class PagedKVCache:
             else self._decode_sdpa
         )
 
+    @property
+    def in_place_kernels(self) -> bool:
+        """Whether new tokens are written, and decodes attend, in the compiled kernels (what the
+        compiled decode step, thermostat.models.compiled_decode, needs)."""
+        return self._write == self._write_compiled and self._decode == self._decode_compiled
+
     def write(self, layer: int, values: tuple[torch.Tensor, ...], slots: torch.Tensor) -> None:
         """values: one [T, *per_token_shape] tensor per component, in spec order (with the last
         dim contiguous), for the T tokens whose cache slots are `slots` [T] int64."""

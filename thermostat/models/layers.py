@@ -39,6 +39,11 @@ class RMSNorm(nn.Module):
         self._norm = _rms_norm if compiled is None else compiled.rms_norm
         self._add_norm = _add_rms_norm if compiled is None else compiled.add_rms_norm
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the norm runs in the compiled kernels."""
+        return self._norm is not _rms_norm
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._norm(x, self.weight, self.eps)
 
