@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.layers import MLP, DecoderStack, PreNormLayer, RMSNorm
@@ -29,10 +30,9 @@ from thermostat.models.linear import PackedLinear, QuantLinear
 
 @dataclass(frozen=True)
 class CompiledDecode:
-    """The compiled stack of one model over one cache."""
+    """The compiled stack of one model over one cache (whose tensors it holds)."""
 
     stack: Any  # the kernels' DecodeStack
-    cache: PagedKVCache
 
     def __call__(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
@@ -63,21 +63,20 @@ def compiled_decode(model: DecoderStack[Any], cache: PagedKVCache) -> CompiledDe
         arch.head_dim**-0.5, model.norm.weight.detach(),
     )  # fmt: skip
     for i, layer in enumerate(model.layers):
-        parts = _layer_parts(layer, i, cache, ops.module)
+        parts = _layer_parts(layer, i, cache, ops)
         if parts is None:
             return None
         stack.add_layer(parts)
-    return CompiledDecode(stack, cache)
+    return CompiledDecode(stack)
 
 
-def _layer_parts(layer: nn.Module, i: int, cache: PagedKVCache, module: Any) -> Any | None:
+def _layer_parts(layer: nn.Module, i: int, cache: PagedKVCache, ops: CpuOps) -> Any | None:
     """Layer i as the kernels' StackLayer, or None if one of its ops is not compiled."""
     if not isinstance(layer, PreNormLayer) or not isinstance(layer.mlp, MLP):
         return None  # a MoE layer
     attn: Any = layer.self_attn  # a thermostat.models.llama.Attention
     mlp = layer.mlp
-    ops = cache.ops
-    assert ops is not None  # the cache's compiled paths need them
+    module = ops.module
     if not (
         _compiled_norm(layer.input_layernorm)
         and _compiled_norm(layer.post_attention_layernorm)
