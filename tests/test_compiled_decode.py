@@ -20,6 +20,7 @@ CASES = {  # name: (kind, overrides, quantization)
     "llama-bf16": ("llama", {}, None),
     "llama-int8": ("llama", {}, "int8"),
     "llama-int4": ("llama", {}, "int4"),
+    "llama-int8-fp16": ("llama", {}, "int8"),  # run in float16
     "qwen2-bias-int8": ("qwen2", {}, "int8"),  # qkv bias
     "qwen3-qk-norm": ("qwen3", {"head_dim": 32}, None),
     "mistral-window": ("mistral", {"sliding_window": 8}, "int8"),
@@ -31,7 +32,8 @@ PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11], [200, 201, 202, 203] * 5]
 def _llm(tmp_path, case: str, **options) -> LLM:
     kind, overrides, quantization = CASES[case]
     path = write_model(tmp_path / case, kind, **(SHAPE | overrides))
-    return LLM(str(path), dtype="bfloat16", quantization=quantization, **options)
+    dtype = "float16" if case.endswith("fp16") else "bfloat16"
+    return LLM(str(path), dtype=dtype, quantization=quantization, **options)
 
 
 def _run(llm: LLM, params: SamplingParams) -> list[tuple[list[int], str]]:
@@ -42,8 +44,8 @@ def _run(llm: LLM, params: SamplingParams) -> list[tuple[list[int], str]]:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_compiled_step_is_the_python_forward_bit_for_bit(tmp_path, case):
     """One decode batch of three sequences of different lengths (one past the sliding window):
-    the compiled call and the Python layers give equal hidden states; then whole generations
-    (greedy, with logprobs) are equal with it on and off."""
+    the compiled call (as a team of threads and op by op) and the Python layers give equal
+    hidden states; then whole generations (greedy, with logprobs) are equal with it on and off."""
     llm = _llm(tmp_path, case)
     runner = llm.engine.runner
     model, cache = runner.model, runner.cache
@@ -65,9 +67,42 @@ def test_the_compiled_step_is_the_python_forward_bit_for_bit(tmp_path, case):
     compiled = model(ids, positions, meta, cache)
     python = DecoderStack.forward(model, ids, positions, meta, cache)
     assert torch.equal(compiled, python)
+    cos, sin = model.rotary.tables(positions)
+    step = (meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens)
+    window = meta.sliding_window or 0
+    for team in (True, False):
+        stack = model._compiled[1].stack
+        out = stack.forward(model.embed_tokens(ids), cos, sin, *step, window, team=team)
+        assert torch.equal(out, python), f"team={team}"
 
     model._compiled = (cache, None)  # the Python layers from here on
     assert _run(llm, params) == with_compiled
+
+
+def test_bad_step_inputs_are_refused_before_any_thread_starts(tmp_path):
+    """A slot or a context length outside the cache is a ValueError (no hang, no write), and a
+    team of one thread gives the same bits as the pool's."""
+    llm = _llm(tmp_path, "llama-int8")
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=2))
+    model, cache = llm.engine.runner.model, llm.engine.runner.cache
+    stack = model._compiled[1].stack
+    hidden = model.arch.hidden_size
+    x = torch.randn(1, hidden, dtype=torch.bfloat16)
+    cos, sin = model.rotary.tables(torch.tensor([3]))
+    tables, lens = torch.tensor([[0]]), torch.tensor([4])
+    slots = cache.spec.block_size * cache.num_blocks
+    with pytest.raises(ValueError, match="slot out of range"):
+        stack.forward(x.clone(), cos, sin, torch.tensor([slots]), tables, lens, 0)
+    with pytest.raises(ValueError, match="context length"):
+        stack.forward(x.clone(), cos, sin, torch.tensor([3]), tables, torch.tensor([10**6]), 0)
+    pool = stack.forward(x.clone(), cos, sin, torch.tensor([3]), tables, lens, 0)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = stack.forward(x.clone(), cos, sin, torch.tensor([3]), tables, lens, 0)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, pool)
 
 
 def test_speculative_rows_take_the_compiled_step(tmp_path):

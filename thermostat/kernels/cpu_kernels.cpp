@@ -15,12 +15,15 @@
 //   linear_quant   y = x W^T + b with int8 or 4-bit weights (blocks of 32) and activations
 //                  quantized per block, int8 dot products (AVX512-VNNI); batch invariant too
 //   DecodeStack    a dense Llama-family decode step through every layer in one call: the
-//                  functions above in the Python forward's order (the same bits, no Python between)
+//                  functions above in the Python forward's order (the same bits, no Python between),
+//                  one team of threads through the whole step (no fork and join per op)
 //
 // Every function checks its inputs and raises (a Python ValueError/RuntimeError) rather than
-// reading out of bounds. Threads: at::parallel_for, the same OpenMP pool as torch.
+// reading out of bounds. Threads: at::parallel_for (or, for DecodeStack, one OpenMP parallel
+// region), the same OpenMP pool as torch.
 
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
@@ -30,9 +33,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <limits>
+#include <mutex>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -162,6 +169,15 @@ void rms_row(const T* x, const T* w, T* out, int64_t n, float eps) {
   }
 }
 
+// residual <- residual + x (rounded to the dtype); out <- rms_norm(residual)
+template <typename T>
+void add_rms_row(const T* x, T* residual, const T* w, T* out, int64_t n, float eps) {
+  for (int64_t i = 0; i < n; i += kLanes) {
+    store16(residual + i, _mm512_add_ps(load16(residual + i), load16(x + i)));
+  }
+  rms_row(residual, w, out, n, eps);
+}
+
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   check_rows(x, "rms_norm x");
   TORCH_CHECK_VALUE(weight.is_contiguous() && weight.numel() == x.size(1) &&
@@ -203,11 +219,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
     const int64_t stride = x.stride(0);
     at::parallel_for(0, x.size(0), 16, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
-        scalar_t* row = rp + r * n;
-        for (int64_t i = 0; i < n; i += kLanes) {
-          store16(row + i, _mm512_add_ps(load16(row + i), load16(xp + r * stride + i)));
-        }
-        rms_row(row, wp, op + r * n, n, (float)eps);
+        add_rms_row(xp + r * stride, rp + r * n, wp, op + r * n, n, (float)eps);
       }
     });
   });
@@ -215,6 +227,18 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 }
 
 // ---------------------------------------------------------------- rotary
+
+// One head v [D] rotated in place by its row's cos, sin [D] (D = 2 half).
+template <typename T>
+inline void rotate_head(T* v, const T* c, const T* s, int64_t half) {
+  for (int64_t j = 0; j < half; j += kLanes) {
+    __m512 a = load16(v + j), bb = load16(v + half + j);
+    __m512 lo = _mm512_fmsub_ps(a, load16(c + j), _mm512_mul_ps(bb, load16(s + j)));
+    __m512 hi = _mm512_fmadd_ps(bb, load16(c + half + j), _mm512_mul_ps(a, load16(s + half + j)));
+    store16(v + j, lo);
+    store16(v + half + j, hi);
+  }
+}
 
 // x: [T, H, D] (rows and heads may be strided, D contiguous); cos, sin: [T, D] contiguous.
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
@@ -234,22 +258,22 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
     at::parallel_for(0, T * H, 64, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         const int64_t t = i / H, h = i % H;
-        scalar_t* v = xp + t * st + h * sh;
-        const scalar_t* c = cp + t * D;
-        const scalar_t* s = sp + t * D;
-        for (int64_t j = 0; j < half; j += kLanes) {
-          __m512 a = load16(v + j), bb = load16(v + half + j);
-          __m512 lo = _mm512_fmsub_ps(a, load16(c + j), _mm512_mul_ps(bb, load16(s + j)));
-          __m512 hi = _mm512_fmadd_ps(bb, load16(c + half + j), _mm512_mul_ps(a, load16(s + half + j)));
-          store16(v + j, lo);
-          store16(v + half + j, hi);
-        }
+        rotate_head(xp + t * st + h * sh, cp + t * D, sp + t * D, half);
       }
     });
   });
 }
 
 // ---------------------------------------------------------------- SwiGLU activation
+
+// out[0, 16) = silu(gate) * up, in fp32, rounded once
+template <typename T>
+inline void silu_mul16(const T* gate, const T* up, T* out) {
+  const __m512 g = load16(gate), u = load16(up);
+  const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f),
+                                   _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  store16(out, _mm512_mul_ps(_mm512_mul_ps(g, sig), u));
+}
 
 // gate_up: [T, 2I] (gate columns first, as the fused projection writes them) -> silu(gate) * up,
 // [T, I], computed in fp32 and rounded once.
@@ -266,10 +290,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     at::parallel_for(0, T * (I / kLanes), 1024, [&](int64_t b, int64_t e) {
       for (int64_t c = b; c < e; ++c) {
         const int64_t t = c / (I / kLanes), i = (c % (I / kLanes)) * kLanes;
-        const __m512 g = load16(gp + t * stride + i), u = load16(gp + t * stride + I + i);
-        const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f),
-                                         _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        store16(op + t * I + i, _mm512_mul_ps(_mm512_mul_ps(g, sig), u));
+        silu_mul16(gp + t * stride + i, gp + t * stride + I + i, op + t * I + i);
       }
     });
   });
@@ -277,6 +298,16 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 }
 
 // ---------------------------------------------------------------- KV cache write
+
+void check_slots(const torch::Tensor& slots, int64_t T, int64_t num_slots) {
+  TORCH_CHECK_VALUE(slots.dim() == 1 && slots.size(0) == T && slots.is_contiguous() &&
+                        slots.scalar_type() == at::kLong,
+                    "write_kv: slots must be [T] int64");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK_VALUE(sp[t] >= 0 && sp[t] < num_slots, "write_kv: slot out of range");
+  }
+}
 
 // key/value [T, Hkv, D] (views of the qkv output: D contiguous) into cache slots [T] of caches
 // [num_blocks, block_size, Hkv, D] of the same dtype.
@@ -295,13 +326,8 @@ void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor 
                         value.scalar_type() == key_cache.scalar_type() &&
                         value_cache.scalar_type() == key_cache.scalar_type(),
                     "write_kv: dtypes must match the cache");
-  TORCH_CHECK_VALUE(slots.dim() == 1 && slots.size(0) == T && slots.is_contiguous() &&
-                        slots.scalar_type() == at::kLong,
-                    "write_kv: slots must be [T] int64");
+  check_slots(slots, T, num_slots);
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK_VALUE(sp[t] >= 0 && sp[t] < num_slots, "write_kv: slot out of range");
-  }
   const int64_t item = key.element_size() * D;
   char* kc = static_cast<char*>(key_cache.data_ptr());
   char* vc = static_cast<char*>(value_cache.data_ptr());
@@ -329,106 +355,150 @@ inline void prefetch_row(const C* base, int64_t slot, int64_t Hkv, int64_t h, in
   }
 }
 
+// One decode attention call's inputs as raw pointers; `attend` computes one (row, KV head) item.
+template <typename T, typename C>
+struct AttentionArgs {
+  const T* q;
+  int64_t q_row, q_head;  // q's strides
+  const C *keys, *values;
+  const float *key_scales, *value_scales;  // fp8 token scales, or null
+  const int64_t *tables, *lens;
+  int64_t Hq, Hkv, D, block_size, nb, window;
+  float scale;
+  T* out;  // [B, Hq, D]
+};
+
+struct AttentionScratch {  // one thread's, reused across items
+  std::vector<float> scores;
+  std::vector<int64_t> slots;
+  std::vector<__m512> qv, acc;
+};
+
+template <typename T, typename C>
+void attend(const AttentionArgs<T, C>& a, int64_t item, AttentionScratch& s) {
+  const int64_t group = a.Hq / a.Hkv, D = a.D, dv = D / kLanes, Hkv = a.Hkv, bs = a.block_size;
+  const int64_t b = item / Hkv, h = item % Hkv;
+  const int64_t len = a.lens[b];
+  const int64_t start = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
+  const int64_t n = len - start;
+  s.scores.resize(group * n);
+  s.qv.resize(group * dv);
+  s.acc.resize(group * dv);
+  float* scores = s.scores.data();
+  __m512* qv = s.qv.data();
+  __m512* acc = s.acc.data();
+  for (int64_t g = 0; g < group; ++g) {
+    const T* qrow = a.q + b * a.q_row + (h * group + g) * a.q_head;
+    for (int64_t d = 0; d < dv; ++d) {
+      qv[g * dv + d] = _mm512_mul_ps(load16(qrow + d * kLanes), _mm512_set1_ps(a.scale));
+    }
+  }
+  // cache slot of every context token (no division per token: it cost more than the math)
+  s.slots.resize(n);
+  int64_t* slots = s.slots.data();
+  for (int64_t i = 0, blk = start / bs, off = start % bs; i < n; ++i) {
+    slots[i] = a.tables[b * a.nb + blk] * bs + off;
+    if (++off == bs) off = 0, ++blk;
+  }
+  // context token i's row of K or V as floats (prefetching the row kAheadTokens later);
+  // returns the token's fp8 scale (1 otherwise)
+  auto load_token = [&](const C* base, const float* scales, int64_t i, __m512* regs) {
+    if (i + kAheadTokens < n) prefetch_row(base, slots[i + kAheadTokens], Hkv, h, D);
+    const C* row = base + (slots[i] * Hkv + h) * D;
+    for (int64_t d = 0; d < dv; ++d) regs[d] = load16(row + d * kLanes);
+    return scales ? scales[slots[i] * Hkv + h] : 1.0f;
+  };
+  // scores = q . k for every context token, read in place through the block table
+  __m512 reg[16];
+  for (int64_t i = 0; i < n; ++i) {
+    const float ks = load_token(a.keys, a.key_scales, i, reg);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 dot = _mm512_mul_ps(qv[g * dv], reg[0]);
+      for (int64_t d = 1; d < dv; ++d) dot = _mm512_fmadd_ps(qv[g * dv + d], reg[d], dot);
+      scores[g * n + i] = _mm512_reduce_add_ps(dot) * ks;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    softmax(scores + g * n, n);
+    for (int64_t d = 0; d < dv; ++d) acc[g * dv + d] = _mm512_setzero_ps();
+  }
+  // out = sum_i p_i v_i
+  for (int64_t i = 0; i < n; ++i) {
+    const float vs = load_token(a.values, a.value_scales, i, reg);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 p = _mm512_set1_ps(scores[g * n + i] * vs);
+      for (int64_t d = 0; d < dv; ++d) acc[g * dv + d] = _mm512_fmadd_ps(p, reg[d], acc[g * dv + d]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    T* orow = a.out + (b * a.Hq + h * group + g) * D;
+    for (int64_t d = 0; d < dv; ++d) store16(orow + d * kLanes, acc[g * dv + d]);
+  }
+}
+
+template <typename T, typename C>
+AttentionArgs<T, C> attention_args(const torch::Tensor& q, const torch::Tensor& key_cache,
+                                   const torch::Tensor& value_cache, const torch::Tensor& key_scale,
+                                   const torch::Tensor& value_scale,
+                                   const torch::Tensor& block_tables,
+                                   const torch::Tensor& context_lens, double scale,
+                                   int64_t window, torch::Tensor& out) {
+  const bool scaled = key_scale.numel() > 0;
+  return {q.data_ptr<T>(), q.stride(0), q.stride(1),
+          reinterpret_cast<const C*>(key_cache.data_ptr()),
+          reinterpret_cast<const C*>(value_cache.data_ptr()),
+          scaled ? key_scale.data_ptr<float>() : nullptr,
+          scaled ? value_scale.data_ptr<float>() : nullptr,
+          block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+          q.size(1), key_cache.size(2), q.size(2), key_cache.size(1), block_tables.size(1),
+          window, static_cast<float>(scale), out.data_ptr<T>()};
+}
+
 template <typename T, typename C>
 void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cache,
                            const torch::Tensor& value_cache, const torch::Tensor& key_scale,
                            const torch::Tensor& value_scale, const torch::Tensor& block_tables,
                            const torch::Tensor& context_lens, double scale, int64_t window,
                            torch::Tensor& out) {
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t bs = key_cache.size(1), Hkv = key_cache.size(2);
-  const int64_t group = Hq / Hkv, nb = block_tables.size(1);
-  const T* qp = q.data_ptr<T>();
-  const C* kp = reinterpret_cast<const C*>(key_cache.data_ptr());
-  const C* vp = reinterpret_cast<const C*>(value_cache.data_ptr());
-  const bool scaled = key_scale.numel() > 0;
-  const float* ksp = scaled ? key_scale.data_ptr<float>() : nullptr;
-  const float* vsp = scaled ? value_scale.data_ptr<float>() : nullptr;
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  const int64_t dv = D / kLanes;
-
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t b0, int64_t e0) {
-    std::vector<float> scores;
-    std::vector<int64_t> slots;
-    std::vector<__m512> qv(group * dv), acc(group * dv);
-    for (int64_t item = b0; item < e0; ++item) {
-      const int64_t b = item / Hkv, h = item % Hkv;
-      const int64_t len = lens[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t n = len - start;
-      scores.resize(group * n);
-      for (int64_t g = 0; g < group; ++g) {
-        const T* qrow = qp + b * q.stride(0) + (h * group + g) * q.stride(1);
-        for (int64_t d = 0; d < dv; ++d) {
-          qv[g * dv + d] = _mm512_mul_ps(load16(qrow + d * kLanes), _mm512_set1_ps((float)scale));
-        }
-      }
-      // scores = q . k for every context token, read in place through the block table
-      // cache slot of every context token (no division per token: it cost more than the math)
-      slots.resize(n);
-      for (int64_t i = 0, blk = start / bs, off = start % bs; i < n; ++i) {
-        slots[i] = tables[b * nb + blk] * bs + off;
-        if (++off == bs) off = 0, ++blk;
-      }
-      // context token i's row of K or V as floats (prefetching the row kAheadTokens later);
-      // returns the token's fp8 scale (1 otherwise)
-      auto load_token = [&](const C* base, const float* scales, int64_t i, __m512* regs) {
-        if (i + kAheadTokens < n) prefetch_row(base, slots[i + kAheadTokens], Hkv, h, D);
-        const C* row = base + (slots[i] * Hkv + h) * D;
-        for (int64_t d = 0; d < dv; ++d) regs[d] = load16(row + d * kLanes);
-        return scaled ? scales[slots[i] * Hkv + h] : 1.0f;
-      };
-      __m512 reg[16];
-      for (int64_t i = 0; i < n; ++i) {
-        const float ks = load_token(kp, ksp, i, reg);
-        for (int64_t g = 0; g < group; ++g) {
-          __m512 dot = _mm512_mul_ps(qv[g * dv], reg[0]);
-          for (int64_t d = 1; d < dv; ++d) dot = _mm512_fmadd_ps(qv[g * dv + d], reg[d], dot);
-          scores[g * n + i] = _mm512_reduce_add_ps(dot) * ks;
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        softmax(scores.data() + g * n, n);
-        for (int64_t d = 0; d < dv; ++d) acc[g * dv + d] = _mm512_setzero_ps();
-      }
-      // out = sum_i p_i v_i
-      for (int64_t i = 0; i < n; ++i) {
-        const float vs = load_token(vp, vsp, i, reg);
-        for (int64_t g = 0; g < group; ++g) {
-          __m512 p = _mm512_set1_ps(scores[g * n + i] * vs);
-          for (int64_t d = 0; d < dv; ++d) acc[g * dv + d] = _mm512_fmadd_ps(p, reg[d], acc[g * dv + d]);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        T* orow = op + (b * Hq + h * group + g) * D;
-        for (int64_t d = 0; d < dv; ++d) store16(orow + d * kLanes, acc[g * dv + d]);
-      }
-    }
+  const auto args = attention_args<T, C>(q, key_cache, value_cache, key_scale, value_scale,
+                                         block_tables, context_lens, scale, window, out);
+  at::parallel_for(0, q.size(0) * args.Hkv, 1, [&](int64_t b, int64_t e) {
+    AttentionScratch scratch;
+    for (int64_t item = b; item < e; ++item) attend(args, item, scratch);
   });
 }
 
-// q: [B, Hq, D] (D contiguous; rows and heads may be strided, e.g. a view of the qkv output);
-// caches [num_blocks, block_size, Hkv, D] (uint8 = fp8_e4m3 bytes, with
-// float scales [num_blocks, block_size, Hkv, 1]; otherwise q's dtype and empty scales);
-// block_tables [B, nb] int64; context_lens [B] int64 (the query token included).
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
-                               torch::Tensor key_scale, torch::Tensor value_scale,
-                               torch::Tensor block_tables, torch::Tensor context_lens,
-                               double scale, int64_t window) {
-  TORCH_CHECK_VALUE(q.dim() == 3 && q.stride(2) == 1,
-                    "decode_attention: q must be [B, Hq, D] with D contiguous");
+// Caches [num_blocks, block_size, Hkv, D] (uint8 = fp8_e4m3 bytes, with float scales
+// [num_blocks, block_size, Hkv, 1]; otherwise the query's dtype and empty scales) for queries of
+// Hq heads of D.
+void check_caches(const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                  const torch::Tensor& key_scale, const torch::Tensor& value_scale, int64_t Hq,
+                  int64_t D, at::ScalarType dtype) {
   TORCH_CHECK_VALUE(key_cache.dim() == 4 && key_cache.is_contiguous() &&
                         value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous() &&
                         value_cache.scalar_type() == key_cache.scalar_type(),
                     "decode_attention: caches must be [blocks, block_size, Hkv, D], contiguous");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = key_cache.size(2);
-  const int64_t num_blocks = key_cache.size(0), bs = key_cache.size(1);
+  const int64_t Hkv = key_cache.size(2);
   TORCH_CHECK_VALUE(key_cache.size(3) == D && Hkv > 0 && Hq % Hkv == 0,
                     "decode_attention: head shapes do not match");
   TORCH_CHECK_VALUE(D % kLanes == 0 && D <= 16 * kLanes,
                     "decode_attention: head_dim must be a multiple of 16, at most 256");
+  if (key_cache.scalar_type() == at::kByte) {
+    TORCH_CHECK_VALUE(key_scale.scalar_type() == at::kFloat && key_scale.is_contiguous() &&
+                          value_scale.is_contiguous() &&
+                          key_scale.numel() == key_cache.size(0) * key_cache.size(1) * Hkv &&
+                          value_scale.numel() == key_scale.numel(),
+                      "decode_attention: fp8 caches need float scales [blocks, block_size, Hkv, 1]");
+  } else {
+    TORCH_CHECK_VALUE(key_cache.scalar_type() == dtype,
+                      "decode_attention: cache dtype must be q's dtype or fp8 bytes");
+  }
+}
+
+// block_tables [B, nb] int64 and context_lens [B] int64 (the query token included) address
+// blocks of a cache of num_blocks blocks of bs tokens.
+void check_tables(const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t B,
+                  int64_t num_blocks, int64_t bs) {
   TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == B &&
                         block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong,
                     "decode_attention: block_tables must be [B, nb] int64");
@@ -446,17 +516,20 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::
                         "decode_attention: block id out of range");
     }
   }
+}
+
+// q: [B, Hq, D] (D contiguous; rows and heads may be strided, e.g. a view of the qkv output);
+// caches and tables as checked above.
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+                               torch::Tensor key_scale, torch::Tensor value_scale,
+                               torch::Tensor block_tables, torch::Tensor context_lens,
+                               double scale, int64_t window) {
+  TORCH_CHECK_VALUE(q.dim() == 3 && q.stride(2) == 1,
+                    "decode_attention: q must be [B, Hq, D] with D contiguous");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  check_caches(key_cache, value_cache, key_scale, value_scale, Hq, D, q.scalar_type());
+  check_tables(block_tables, context_lens, B, key_cache.size(0), key_cache.size(1));
   const bool fp8 = key_cache.scalar_type() == at::kByte;
-  if (fp8) {
-    TORCH_CHECK_VALUE(key_scale.scalar_type() == at::kFloat && key_scale.is_contiguous() &&
-                          value_scale.is_contiguous() &&
-                          key_scale.numel() == num_blocks * bs * Hkv &&
-                          value_scale.numel() == key_scale.numel(),
-                      "decode_attention: fp8 caches need float scales [blocks, block_size, Hkv, 1]");
-  } else {
-    TORCH_CHECK_VALUE(key_cache.scalar_type() == q.scalar_type(),
-                      "decode_attention: cache dtype must be q's dtype or fp8 bytes");
-  }
   auto out = torch::empty({B, Hq, D}, q.options());
   THERMOSTAT_DISPATCH_FLOAT(q.scalar_type(), "decode_attention", [&] {
     if (fp8) {
@@ -552,26 +625,42 @@ inline void bf16_tile(const uint16_t* x, int64_t Kp, const uint16_t* W, int64_t 
   }
 }
 
-// Every row of x against column blocks [nb, nb + 4): tiles of 6 rows (24 accumulators of the 32
+// Every row of x against column blocks [nb, nb + C): tiles of 6 rows (24 accumulators of the 32
 // registers), then the rest.
+template <int C>
 void bf16_rows(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, int64_t KS,
                const float* bias, c10::BFloat16* y, int64_t N, int64_t nb) {
   int64_t m = 0;
-  for (; m + 6 <= M; m += 6) bf16_tile<6, 4>(x, Kp, W, KS, bias, y, N, m, nb);
+  for (; m + 6 <= M; m += 6) bf16_tile<6, C>(x, Kp, W, KS, bias, y, N, m, nb);
   switch (M - m) {
-    case 5: bf16_tile<5, 4>(x, Kp, W, KS, bias, y, N, m, nb); break;
-    case 4: bf16_tile<4, 4>(x, Kp, W, KS, bias, y, N, m, nb); break;
-    case 3: bf16_tile<3, 4>(x, Kp, W, KS, bias, y, N, m, nb); break;
-    case 2: bf16_tile<2, 4>(x, Kp, W, KS, bias, y, N, m, nb); break;
-    case 1: bf16_tile<1, 4>(x, Kp, W, KS, bias, y, N, m, nb); break;
+    case 5: bf16_tile<5, C>(x, Kp, W, KS, bias, y, N, m, nb); break;
+    case 4: bf16_tile<4, C>(x, Kp, W, KS, bias, y, N, m, nb); break;
+    case 3: bf16_tile<3, C>(x, Kp, W, KS, bias, y, N, m, nb); break;
+    case 2: bf16_tile<2, C>(x, Kp, W, KS, bias, y, N, m, nb); break;
+    case 1: bf16_tile<1, C>(x, Kp, W, KS, bias, y, N, m, nb); break;
+    default: break;
+  }
+}
+
+// Column blocks [nb0, nb1) of 16 outputs, four at a time. A thread's share is counted in single
+// blocks so that two threads split any N evenly; an output's arithmetic is the same whichever
+// tile holds it.
+void bf16_blocks(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, int64_t KS,
+                 const float* bias, c10::BFloat16* y, int64_t N, int64_t nb0, int64_t nb1) {
+  int64_t nb = nb0;
+  for (; nb + 4 <= nb1; nb += 4) bf16_rows<4>(x, M, Kp, W, KS, bias, y, N, nb);
+  switch (nb1 - nb) {
+    case 3: bf16_rows<3>(x, M, Kp, W, KS, bias, y, N, nb); break;
+    case 2: bf16_rows<2>(x, M, Kp, W, KS, bias, y, N, nb); break;
+    case 1: bf16_rows<1>(x, M, Kp, W, KS, bias, y, N, nb); break;
     default: break;
   }
 }
 
 void linear_dpbf16(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, int64_t NB,
                    int64_t KS, const float* bias, c10::BFloat16* y, int64_t N) {
-  at::parallel_for(0, NB / 4, 1, [&](int64_t b, int64_t e) {
-    for (int64_t u = b; u < e; ++u) bf16_rows(x, M, Kp, W, KS, bias, y, N, u * 4);
+  at::parallel_for(0, NB, 1, [&](int64_t b, int64_t e) {
+    bf16_blocks(x, M, Kp, W, KS, bias, y, N, b, e);
   });
 }
 
@@ -699,15 +788,19 @@ torch::Tensor float_bias(const c10::optional<torch::Tensor>& bias, int64_t N, in
   return pad_rows(bias->to(at::kFloat).contiguous().view({1, N}), 1, Np);
 }
 
+void check_vnni_packed(const torch::Tensor& packed) {
+  TORCH_CHECK_VALUE(packed.dim() == 5 && packed.is_contiguous() && packed.size(2) == 16 &&
+                        packed.size(3) == 16 && packed.size(4) == 2 &&
+                        packed.scalar_type() == at::kBFloat16 && packed.size(0) % 4 == 0,
+                    "linear_vnni: weight must come from pack_vnni");
+}
+
 // y [M, N] = x [M, K] W^T (+ bias) with W packed by pack_vnni; any M >= 1, the same bits per row.
 torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, int64_t N,
                           c10::optional<torch::Tensor> bias) {
   TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1,
                     "linear_vnni: x must be [M, K] bfloat16, M >= 1");
-  TORCH_CHECK_VALUE(packed.dim() == 5 && packed.is_contiguous() && packed.size(2) == 16 &&
-                        packed.size(3) == 16 && packed.size(4) == 2 &&
-                        packed.scalar_type() == at::kBFloat16 && packed.size(0) % 4 == 0,
-                    "linear_vnni: weight must come from pack_vnni");
+  check_vnni_packed(packed);
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KS = packed.size(1);
   const int64_t Kp = KS * 32;
   TORCH_CHECK_VALUE(K <= Kp && K > Kp - 32 && N <= NB * 16 && N > NB * 16 - 64,
@@ -760,65 +853,67 @@ struct QuantizedActivations {
   std::vector<int8_t> q;     // [M, Kp]
   std::vector<float> s;      // [M, KB]: the block's scale
   std::vector<int32_t> sum;  // [M, KB]: sum of the block's q
+
+  void resize(int64_t M, int64_t KB) {
+    q.resize(M * KB * 32);
+    s.resize(M * KB);
+    sum.resize(M * KB);
+  }
 };
 
+// Blocks [b, e) of x [M, K] (row stride `stride`; block i is row i / KB, K block i % KB) into `a`
+// (sized for M x KB blocks).
 template <typename T>
-void quantize_activations(const torch::Tensor& x, int64_t KB, QuantizedActivations& a) {
-  const int64_t M = x.size(0), K = x.size(1), Kp = KB * 32;
-  a.q.assign(M * Kp, 0);
-  a.s.resize(M * KB);
-  a.sum.resize(M * KB);
-  const T* xp = x.data_ptr<T>();
-  const int64_t stride = x.stride(0);
-  at::parallel_for(0, M * KB, 256, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) {
-      const int64_t m = i / KB, kb = i % KB, k0 = kb * 32;
-      const T* row = xp + m * stride + k0;
-      __m512 v[2];
-      for (int h = 0; h < 2; ++h) {
-        const int64_t left = K - k0 - 16 * h;
-        if (left >= 16) {
-          v[h] = load16(row + 16 * h);
-        } else {
-          alignas(64) T tmp[16] = {};
-          if (left > 0) std::memcpy(tmp, row + 16 * h, sizeof(T) * left);
-          v[h] = load16(tmp);
-        }
+void quantize_blocks(const T* xp, int64_t K, int64_t stride, int64_t KB, QuantizedActivations& a,
+                     int64_t b, int64_t e) {
+  const int64_t Kp = KB * 32;
+  for (int64_t i = b; i < e; ++i) {
+    const int64_t m = i / KB, kb = i % KB, k0 = kb * 32;
+    const T* row = xp + m * stride + k0;
+    __m512 v[2];
+    for (int h = 0; h < 2; ++h) {
+      const int64_t left = K - k0 - 16 * h;
+      if (left >= 16) {
+        v[h] = load16(row + 16 * h);
+      } else {
+        alignas(64) T tmp[16] = {};
+        if (left > 0) std::memcpy(tmp, row + 16 * h, sizeof(T) * left);
+        v[h] = load16(tmp);
       }
-      const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-      const float amax = _mm512_reduce_max_ps(
-          _mm512_max_ps(_mm512_and_ps(v[0], absmask), _mm512_and_ps(v[1], absmask)));
-      const float d = amax / 127.0f;
-      const float id = d > 0.0f ? 1.0f / d : 0.0f;
-      int32_t sum = 0;
-      for (int h = 0; h < 2; ++h) {
-        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(id)));  // nearest even
-        sum += _mm512_reduce_add_epi32(q);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(a.q.data() + m * Kp + k0 + 16 * h),
-                         _mm512_cvtsepi32_epi8(q));
-      }
-      a.s[i] = d;
-      a.sum[i] = sum;
     }
-  });
+    const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    const float amax = _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_and_ps(v[0], absmask), _mm512_and_ps(v[1], absmask)));
+    const float d = amax / 127.0f;
+    const float id = d > 0.0f ? 1.0f / d : 0.0f;
+    int32_t sum = 0;
+    for (int h = 0; h < 2; ++h) {
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(id)));  // nearest even
+      sum += _mm512_reduce_add_epi32(q);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a.q.data() + m * Kp + k0 + 16 * h),
+                       _mm512_cvtsepi32_epi8(q));
+    }
+    a.s[i] = d;
+    a.sum[i] = sum;
+  }
 }
 
-// Rows [m0, m0 + R) x the 64 outputs of group g, K block kb (one record): the block's integer
-// dot products in registers, then its contribution added to the running float sums of those rows
-// (`sums`, [row][64] in L1: every row tile reads the record while it is still in L1).
-template <int BITS, int R, bool PREFETCH>
+// Rows [m0, m0 + R) x column blocks [c0, c0 + C) of a group, K block kb (one record): the block's
+// integer dot products in registers, then its contribution added to the running float sums of
+// those rows (`sums`, [row][64] in L1: every row tile reads the record while it is still in L1).
+template <int BITS, int R, int C, bool PREFETCH>
 inline void quant_block(const QuantizedActivations& a, const uint8_t* rec, int64_t KB,
-                        int64_t kb, int64_t m0, float* sums) {
+                        int64_t kb, int64_t m0, int c0, float* sums) {
   constexpr QuantLayout L = BITS == 8 ? QuantLayout{128, 128 + 2048} : QuantLayout{192, 192 + 1024};
   const int64_t Kp = KB * 32;
-  __m512i acc[R][4];
+  __m512i acc[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_si512();
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
   const uint8_t* wp = rec + L.header;
   for (int kq = 0; kq < (BITS == 8 ? 8 : 4); ++kq) {
-    __m512i w[4], w_hi[4];
-    for (int c = 0; c < 4; ++c) {
-      const uint8_t* p = wp + (kq * 4 + c) * 64;
+    __m512i w[C], w_hi[C];
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* p = wp + (kq * 4 + c0 + c) * 64;
       if (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
       const __m512i raw = _mm512_loadu_si512(p);
       if (BITS == 8) {
@@ -834,21 +929,22 @@ inline void quant_block(const QuantizedActivations& a, const uint8_t* rec, int64
       int32_t quad;
       std::memcpy(&quad, xr + kq * 4, sizeof(quad));
       const __m512i xb = _mm512_set1_epi32(quad);
-      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w[c], xb);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w[c], xb);
       if (BITS == 4) {
         std::memcpy(&quad, xr + 16 + kq * 4, sizeof(quad));
         const __m512i xh = _mm512_set1_epi32(quad);
-        for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w_hi[c], xh);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w_hi[c], xh);
       }
     }
   }
-  for (int c = 0; c < 4; ++c) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + c * 32)));
+  for (int c = 0; c < C; ++c) {
+    const int cc = c0 + c;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + cc * 32)));
     const __m512i z = BITS == 8 ? _mm512_set1_epi32(128)
-                                : _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 128 + c * 16)));
+                                : _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 128 + cc * 16)));
     for (int r = 0; r < R; ++r) {
       const int64_t j = (m0 + r) * KB + kb;
-      float* at = sums + (m0 + r) * 64 + c * 16;
+      float* at = sums + (m0 + r) * 64 + cc * 16;
       const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(a.s[j]));
       const __m512i fixed = _mm512_sub_epi32(acc[r][c], _mm512_mullo_epi32(z, _mm512_set1_epi32(a.sum[j])));
       _mm512_storeu_ps(at, _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(fixed), _mm512_loadu_ps(at)));
@@ -856,10 +952,10 @@ inline void quant_block(const QuantizedActivations& a, const uint8_t* rec, int64
   }
 }
 
-// Every row x the 64 outputs of group g: K blocks in order, row tiles of 4 inside each.
-template <int BITS, bool PREFETCH, typename T>
+// Every row x column blocks [c0, c0 + C) of group g: K blocks in order, row tiles of 4 inside each.
+template <int BITS, int C, bool PREFETCH, typename T>
 void quant_group(const QuantizedActivations& a, int64_t M, const uint8_t* W, int64_t KB,
-                 const float* bias, T* y, int64_t N, int64_t g, std::vector<float>& sums) {
+                 const float* bias, T* y, int64_t N, int64_t g, int c0, std::vector<float>& sums) {
   constexpr QuantLayout L = BITS == 8 ? QuantLayout{128, 128 + 2048} : QuantLayout{192, 192 + 1024};
   const uint8_t* rec0 = W + g * KB * L.record;
   sums.assign(M * 64, 0.0f);  // [M][c][16]
@@ -867,21 +963,46 @@ void quant_group(const QuantizedActivations& a, int64_t M, const uint8_t* W, int
   for (int64_t kb = 0; kb < KB; ++kb) {
     const uint8_t* rec = rec0 + kb * L.record;
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) quant_block<BITS, 4, PREFETCH>(a, rec, KB, kb, m, sp);
+    for (; m + 4 <= M; m += 4) quant_block<BITS, 4, C, PREFETCH>(a, rec, KB, kb, m, c0, sp);
     switch (M - m) {
-      case 3: quant_block<BITS, 3, PREFETCH>(a, rec, KB, kb, m, sp); break;
-      case 2: quant_block<BITS, 2, PREFETCH>(a, rec, KB, kb, m, sp); break;
-      case 1: quant_block<BITS, 1, PREFETCH>(a, rec, KB, kb, m, sp); break;
+      case 3: quant_block<BITS, 3, C, PREFETCH>(a, rec, KB, kb, m, c0, sp); break;
+      case 2: quant_block<BITS, 2, C, PREFETCH>(a, rec, KB, kb, m, c0, sp); break;
+      case 1: quant_block<BITS, 1, C, PREFETCH>(a, rec, KB, kb, m, c0, sp); break;
       default: break;
     }
   }
   for (int64_t m = 0; m < M; ++m) {
-    for (int c = 0; c < 4; ++c) {
+    for (int c = c0; c < c0 + C; ++c) {
       __m512 v = _mm512_loadu_ps(sp + m * 64 + c * 16);
       if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + g * 64 + c * 16));
       store_outputs(y + m * N, N, g * 64 + c * 16, v);
     }
   }
+}
+
+// Outputs [32 u0, 32 u1) for every row, in units of half a group (two column blocks): a whole group
+// where the range holds one, so that two threads split any N evenly and still stream whole
+// records. An output's arithmetic is the same whichever unit holds it.
+template <int BITS, bool PREFETCH, typename T>
+void quant_units(const QuantizedActivations& a, int64_t M, const uint8_t* W, int64_t KB,
+                 const float* bias, T* y, int64_t N, int64_t u0, int64_t u1) {
+  std::vector<float> sums;
+  for (int64_t u = u0; u < u1;) {
+    if (u % 2 == 0 && u + 2 <= u1) {
+      quant_group<BITS, 4, PREFETCH>(a, M, W, KB, bias, y, N, u / 2, 0, sums);
+      u += 2;
+    } else {
+      quant_group<BITS, 2, PREFETCH>(a, M, W, KB, bias, y, N, u / 2, 2 * (u % 2), sums);
+      u += 1;
+    }
+  }
+}
+
+template <int BITS, typename T>
+void quant_units(bool prefetch, const QuantizedActivations& a, int64_t M, const uint8_t* W,
+                 int64_t KB, const float* bias, T* y, int64_t N, int64_t u0, int64_t u1) {
+  if (prefetch) quant_units<BITS, true>(a, M, W, KB, bias, y, N, u0, u1);
+  else quant_units<BITS, false>(a, M, W, KB, bias, y, N, u0, u1);
 }
 
 template <int BITS, typename T>
@@ -890,30 +1011,34 @@ void linear_quant_impl(const torch::Tensor& x, const torch::Tensor& packed, cons
   const int64_t M = x.size(0), G = packed.size(0), KB = packed.size(1);
   static thread_local QuantizedActivations buffer;  // the calling thread's, reused per call
   QuantizedActivations& a = buffer;  // a reference the workers below capture
-  quantize_activations<T>(x, KB, a);
+  a.resize(M, KB);
+  const T* xp = x.data_ptr<T>();
+  at::parallel_for(0, M * KB, 256, [&](int64_t b, int64_t e) {
+    quantize_blocks(xp, x.size(1), x.stride(0), KB, a, b, e);
+  });
   const auto* wp = packed.data_ptr<uint8_t>();
   T* yp = y.data_ptr<T>();
   const bool prefetch = prefetch_weights();
-  at::parallel_for(0, G, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> sums;
-    for (int64_t g = b; g < e; ++g) {
-      if (prefetch) quant_group<BITS, true>(a, M, wp, KB, bias, yp, N, g, sums);
-      else quant_group<BITS, false>(a, M, wp, KB, bias, yp, N, g, sums);
-    }
+  at::parallel_for(0, 2 * G, 1, [&](int64_t b, int64_t e) {
+    quant_units<BITS>(prefetch, a, M, wp, KB, bias, yp, N, b, e);
   });
+}
+
+void check_quant_packed(const torch::Tensor& packed, int64_t bits) {
+  TORCH_CHECK_VALUE(bits == 8 || bits == 4, "linear_quant: bits must be 8 or 4");
+  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.is_contiguous() &&
+                        packed.scalar_type() == at::kByte &&
+                        packed.size(2) == quant_layout(static_cast<int>(bits)).record,
+                    "linear_quant: weight must be packed int", bits);
 }
 
 // y [M, N] = x [M, K] W^T (+ bias), W quantized (bits 8 or 4) and packed as above; x in float32,
 // bfloat16 or float16 (y in x's dtype). Any M >= 1, the same bits per row.
 torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t bits,
                            c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK_VALUE(bits == 8 || bits == 4, "linear_quant: bits must be 8 or 4");
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(0) >= 1 && x.stride(1) == 1,
                     "linear_quant: x must be [M, K] with unit stride, M >= 1");
-  const QuantLayout layout = quant_layout(static_cast<int>(bits));
-  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.is_contiguous() &&
-                        packed.scalar_type() == at::kByte && packed.size(2) == layout.record,
-                    "linear_quant: weight must be packed int", bits);
+  check_quant_packed(packed, bits);
   const int64_t G = packed.size(0), KB = packed.size(1), K = x.size(1);
   TORCH_CHECK_VALUE(K <= KB * 32 && K > KB * 32 - 32 && N <= G * 64 && N > G * 64 - 64,
                     "linear_quant: x or N does not match the packed weight");
@@ -969,25 +1094,130 @@ torch::Tensor quant_rows(torch::Tensor packed, torch::Tensor ids, int64_t n, int
   return out;
 }
 
+// ---------------------------------------------------------------- a team for a whole call
+//
+// The pool's threads through a whole call, in one OpenMP parallel region (the pool torch's
+// at::parallel_for uses: the same libgomp): `step(f)` runs f on every thread, each taking its
+// share of the work with `share`, then waits for all of them. Forking and joining per op costs
+// ~2.5 us and the wait for the slower thread's last group; a barrier costs ~0.3 us. An exception
+// in f is kept and rethrown by `run_team` after the region; the steps after it do nothing, but
+// every thread still meets every barrier.
+class Team {
+ public:
+  Team(int64_t id, int64_t size, std::atomic<bool>& failed, std::exception_ptr& error,
+       std::mutex& mu)
+      : id_(id), size_(size), failed_(failed), error_(error), mu_(mu) {}
+
+  // this thread's [begin, end) of n units (every thread's within one unit of the others')
+  std::pair<int64_t, int64_t> share(int64_t n) const {
+    return {n * id_ / size_, n * (id_ + 1) / size_};
+  }
+
+  bool leader() const { return id_ == 0; }  // the calling thread (torch's thread-local state)
+
+  template <typename F>
+  void step(F&& f) {
+    if (!failed_.load(std::memory_order_relaxed)) {
+      try {
+        f();
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!error_) error_ = std::current_exception();
+        failed_ = true;
+      }
+    }
+#pragma omp barrier
+  }
+
+ private:
+  int64_t id_, size_;
+  std::atomic<bool>& failed_;
+  std::exception_ptr& error_;
+  std::mutex& mu_;
+};
+
+// body(team) on each of the pool's threads; body does its work in team.step calls only.
+template <typename F>
+void run_team(F&& body) {
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
+  std::mutex mu;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    Team team(omp_get_thread_num(), omp_get_num_threads(), failed, error, mu);
+    body(team);
+  }
+  if (error) std::rethrow_exception(error);
+}
+
 // ---------------------------------------------------------------- decode stack
 //
 // A dense Llama-family decoder's decode step (one new token per row, every row a decode) in one
 // call: per layer, norm, the qkv projection, q/k norms (Qwen3), rotary, the cache write, decode
 // attention, the output projection, add + norm and the SwiGLU MLP, then the final add + norm.
-// It calls the functions above in the order, and with the arguments, that the layers' Python
-// forward (thermostat/models/llama.py) calls them, so its hidden states are the same bits; what
-// it saves is the Python between them. thermostat/models/compiled_decode.py decides where it
-// applies.
+// It runs the per-row and per-output arithmetic of the functions above, in the order the layers'
+// Python forward (thermostat/models/llama.py) calls them, so its hidden states are the same bits;
+// what it saves is the Python between the ops and, in a team (below), their forks and joins.
+// thermostat/models/compiled_decode.py decides where it applies.
+//
+// Two ways through: `team` runs the whole step in one parallel region, each op split evenly
+// between the threads, a barrier between ops; `ops` calls the functions above one after another
+// (each forking its own threads). The team takes every stack it can: int8 / 4-bit linears, bf16
+// ones off AMX, widths multiples of 32 and a KV cache in the compute dtype; the AMX bf16 kernel
+// keeps the per-op way (it could not be measured inside a team here).
 
 struct StackLinear {
   torch::Tensor packed;
   int64_t n;
   int64_t bits;  // 16: bf16 packed by pack_vnni (linear_vnni); 8 or 4: linear_quant
   c10::optional<torch::Tensor> bias;
+  torch::Tensor bias_f;  // float32, padded: what the kernels add
+
+  StackLinear(torch::Tensor packed_, int64_t n_, int64_t bits_, c10::optional<torch::Tensor> bias_)
+      : packed(std::move(packed_)), n(n_), bits(bits_), bias(std::move(bias_)) {
+    if (bits == 16) check_vnni_packed(packed);
+    else check_quant_packed(packed, bits);
+    const int64_t padded_n = packed.size(0) * (bits == 16 ? 16 : 64);
+    TORCH_CHECK_VALUE(n <= padded_n && n > padded_n - 64,
+                      "StackLinear: n does not match the packed weight");
+    bias_f = float_bias(bias, n, padded_n, "StackLinear");
+  }
+
+  int64_t k() const { return packed.size(1) * 32; }  // K, padded to a multiple of 32
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     return bits == 16 ? linear_vnni(x, packed, n, bias)
                       : linear_quant(x.contiguous(), packed, n, bits, bias);
+  }
+
+  // y [M, n] = x [M, k()] W^T (+ bias), contiguous rows, in team steps; `a` holds M x k() / 32
+  // quantized blocks
+  template <typename T>
+  void run(Team& team, const T* x, int64_t M, T* y, QuantizedActivations& a) const {
+    const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+    if (bits == 16) {
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        const auto* W = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+        const int64_t NB = packed.size(0), KS = packed.size(1);
+        team.step([&] {
+          const auto [b, e] = team.share(NB);
+          bf16_blocks(reinterpret_cast<const uint16_t*>(x), M, KS * 32, W, KS, bp, y, n, b, e);
+        });
+      }
+      return;
+    }
+    const int64_t G = packed.size(0), KB = packed.size(1);
+    const uint8_t* W = packed.data_ptr<uint8_t>();
+    const bool prefetch = prefetch_weights();
+    team.step([&] {
+      const auto [b, e] = team.share(M * KB);
+      quantize_blocks(x, KB * 32, KB * 32, KB, a, b, e);
+    });
+    team.step([&] {
+      const auto [b, e] = team.share(2 * G);
+      if (bits == 8) quant_units<8>(prefetch, a, M, W, KB, bp, y, n, b, e);
+      else quant_units<4>(prefetch, a, M, W, KB, bp, y, n, b, e);
+    });
   }
 };
 
@@ -1006,22 +1236,52 @@ class DecodeStack {
         final_norm_(std::move(final_norm)) {}
 
   void add_layer(StackLayer layer) {
-    TORCH_CHECK_VALUE(layer.qkv.n == (heads_ + 2 * kv_heads_) * head_dim_ &&
-                          layer.o.n == final_norm_.numel() && layer.down.n == final_norm_.numel(),
+    const int64_t hidden = final_norm_.numel(), H = heads_, Hkv = kv_heads_, D = head_dim_;
+    TORCH_CHECK_VALUE(layer.qkv.n == (H + 2 * Hkv) * D && layer.o.n == hidden &&
+                          layer.down.n == hidden,
                       "DecodeStack: the layer's projections do not match the stack's shape");
     TORCH_CHECK_VALUE(layer.q_norm.has_value() == layer.k_norm.has_value(),
                       "DecodeStack: q and k norms come together");
+    check_caches(layer.key_cache, layer.value_cache, layer.key_scale, layer.value_scale, H, D,
+                 layer.key_cache.scalar_type() == at::kByte ? final_norm_.scalar_type()
+                                                            : layer.key_cache.scalar_type());
+    TORCH_CHECK_VALUE(layers_.empty() || layer.key_cache.sizes() == layers_[0].key_cache.sizes(),
+                      "DecodeStack: every layer's cache has the same shape");
+    // the team reads every projection's input whole: widths multiples of 32, no padding
+    teamable_ = teamable_ && hidden % 32 == 0 && (H * D) % 32 == 0 &&
+                layer.qkv.k() == hidden && layer.gate_up.k() == hidden &&
+                layer.o.k() == H * D && layer.down.k() % 32 == 0 &&
+                layer.down.k() * 2 == layer.gate_up.n;
+    for (const StackLinear* lin : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
+      if (lin->bits == 16) has_bf16_ = true;
+    }
     layers_.push_back(std::move(layer));
   }
 
   // x [T, hidden]: the rows' embeddings; cos, sin [T, head_dim]; slots [T]; block_tables
   // [T, nb]; context_lens [T]; window 0 = none. Returns the final norm's output [T, hidden].
+  // team: run as a team where the stack allows it (the same bits either way).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& slots, const torch::Tensor& block_tables,
-                        const torch::Tensor& context_lens, int64_t window) const {
+                        const torch::Tensor& context_lens, int64_t window, bool team) const {
     TORCH_CHECK_VALUE(!layers_.empty(), "DecodeStack: no layers");
-    TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == final_norm_.numel(),
+    TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == final_norm_.numel() && x.size(0) >= 1,
                       "DecodeStack: x must be [T, hidden]");
+    const auto dtype = x.scalar_type();
+    if (team && teamable_ && layers_[0].key_cache.scalar_type() == dtype &&
+        (!has_bf16_ || (dtype == at::kBFloat16 && !amx_permitted()))) {
+      return THERMOSTAT_DISPATCH_FLOAT(dtype, "DecodeStack", [&] {
+        return forward_team<scalar_t>(x, cos, sin, slots, block_tables, context_lens, window);
+      });
+    }
+    return forward_ops(x, cos, sin, slots, block_tables, context_lens, window);
+  }
+
+ private:
+  torch::Tensor forward_ops(const torch::Tensor& x, const torch::Tensor& cos,
+                            const torch::Tensor& sin, const torch::Tensor& slots,
+                            const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                            int64_t window) const {
     const int64_t T = x.size(0), H = heads_, Hkv = kv_heads_, D = head_dim_;
     torch::Tensor residual = x.contiguous();
     torch::Tensor out;
@@ -1032,12 +1292,7 @@ class DecodeStack {
       const torch::Tensor qkv = L.qkv(h);
       torch::Tensor qk = qkv.narrow(1, 0, (H + Hkv) * D).view({T, H + Hkv, D});
       const torch::Tensor v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D});
-      if (L.q_norm) {
-        const std::vector<int64_t> dim{D};
-        qk = at::cat({at::rms_norm(qk.narrow(1, 0, H), dim, *L.q_norm, eps_),
-                      at::rms_norm(qk.narrow(1, H, Hkv), dim, *L.k_norm, eps_)},
-                     1);
-      }
+      if (L.q_norm) qk = qk_norms(qk, L);
       rotary_(qk, cos, sin);
       write_kv(L.key_cache, L.value_cache, qk.narrow(1, H, Hkv), v, slots);
       const torch::Tensor o =
@@ -1049,11 +1304,119 @@ class DecodeStack {
     return add_rms_norm(out, residual, final_norm_, eps_);
   }
 
- private:
+  // Qwen3's per-head q and k norms through torch's rms_norm, as the Python forward does
+  torch::Tensor qk_norms(const torch::Tensor& qk, const StackLayer& L) const {
+    const std::vector<int64_t> dim{head_dim_};
+    return at::cat({at::rms_norm(qk.narrow(1, 0, heads_), dim, *L.q_norm, eps_),
+                    at::rms_norm(qk.narrow(1, heads_, kv_heads_), dim, *L.k_norm, eps_)},
+                   1);
+  }
+
+  template <typename T>
+  torch::Tensor forward_team(const torch::Tensor& x, const torch::Tensor& cos,
+                             const torch::Tensor& sin, const torch::Tensor& slots,
+                             const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                             int64_t window) const {
+    const int64_t T_ = x.size(0), H = heads_, Hkv = kv_heads_, D = head_dim_;
+    const int64_t hidden = x.size(1), Nqkv = (H + 2 * Hkv) * D, I = layers_[0].down.k();
+    TORCH_CHECK_VALUE(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T_ * D &&
+                          sin.sizes() == cos.sizes() && cos.scalar_type() == x.scalar_type() &&
+                          sin.scalar_type() == x.scalar_type() && D % 32 == 0,
+                      "rotary: cos/sin must be [T, D] of x's dtype");
+    TORCH_CHECK_VALUE(I % kLanes == 0, "silu_mul: intermediate size must be a multiple of 16");
+    const torch::Tensor& cache0 = layers_[0].key_cache;
+    check_slots(slots, T_, cache0.size(0) * cache0.size(1));
+    check_tables(block_tables, context_lens, T_, cache0.size(0), cache0.size(1));
+
+    torch::Tensor residual = x.contiguous();
+    auto buffer = [&](int64_t width) { return torch::empty({T_, width}, x.options()); };
+    torch::Tensor h = buffer(hidden), qkv = buffer(Nqkv), attn = buffer(H * D),
+                  gate_up = buffer(2 * I), act = buffer(I), out = buffer(hidden),
+                  result = buffer(hidden);
+    QuantizedActivations a;
+    a.resize(T_, std::max({hidden, H * D, I}) / 32);
+    T *res = residual.data_ptr<T>(), *hp = h.data_ptr<T>(), *qkvp = qkv.data_ptr<T>(),
+      *attnp = attn.data_ptr<T>(), *gup = gate_up.data_ptr<T>(), *actp = act.data_ptr<T>(),
+      *outp = out.data_ptr<T>();
+    const T *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const float eps = static_cast<float>(eps_);
+    torch::Tensor qk_normed;  // Qwen3's q and k after their norms, [T, H + Hkv, D]
+
+    // rows r of the team's share: norm(residual) or, with x, residual += x then its norm
+    auto norm_rows = [&](Team& team, const T* xrows, const torch::Tensor& w, T* dst) {
+      team.step([&] {
+        const auto [b, e] = team.share(T_);
+        for (int64_t r = b; r < e; ++r) {
+          if (xrows) add_rms_row(xrows + r * hidden, res + r * hidden, w.data_ptr<T>(), dst + r * hidden, hidden, eps);
+          else rms_row(res + r * hidden, w.data_ptr<T>(), dst + r * hidden, hidden, eps);
+        }
+      });
+    };
+
+    run_team([&](Team& team) {
+      AttentionScratch scratch;  // this thread's
+      for (size_t i = 0; i < layers_.size(); ++i) {
+        const StackLayer& L = layers_[i];
+        norm_rows(team, i == 0 ? nullptr : outp, L.input_norm, hp);
+        L.qkv.run(team, hp, T_, qkvp, a);
+        T* qk = qkvp;
+        int64_t qk_row = Nqkv;
+        if (L.q_norm) {
+          team.step([&] {
+            if (team.leader()) {  // torch's own ops, on the calling thread
+              qk_normed = qk_norms(qkv.narrow(1, 0, (H + Hkv) * D).view({T_, H + Hkv, D}), L);
+            }
+          });
+          qk = qk_normed.data_ptr<T>();
+          qk_row = (H + Hkv) * D;
+        }
+        T* kc = L.key_cache.data_ptr<T>();
+        T* vc = L.value_cache.data_ptr<T>();
+        team.step([&] {  // rotary, then the new token's K and V into the cache
+          const auto [b, e] = team.share(T_ * (H + Hkv));
+          for (int64_t item = b; item < e; ++item) {
+            const int64_t t = item / (H + Hkv), head = item % (H + Hkv);
+            T* row = qk + t * qk_row + head * D;
+            rotate_head(row, cp + t * D, sp + t * D, D / 2);
+            if (head >= H) {
+              const int64_t dst = (slot[t] * Hkv + head - H) * D;
+              std::memcpy(kc + dst, row, D * sizeof(T));
+              std::memcpy(vc + dst, qkvp + t * Nqkv + (Hkv + head) * D, D * sizeof(T));
+            }
+          }
+        });
+        const AttentionArgs<T, T> args{qk, qk_row, D, kc, vc, nullptr, nullptr,
+                                       block_tables.data_ptr<int64_t>(),
+                                       context_lens.data_ptr<int64_t>(), H, Hkv, D,
+                                       L.key_cache.size(1), block_tables.size(1), window,
+                                       static_cast<float>(scale_), attnp};
+        team.step([&] {
+          const auto [b, e] = team.share(T_ * Hkv);
+          for (int64_t item = b; item < e; ++item) attend(args, item, scratch);
+        });
+        L.o.run(team, attnp, T_, outp, a);
+        norm_rows(team, outp, L.post_norm, hp);
+        L.gate_up.run(team, hp, T_, gup, a);
+        team.step([&] {
+          const auto [b, e] = team.share(T_ * (I / kLanes));
+          for (int64_t c = b; c < e; ++c) {
+            const int64_t t = c / (I / kLanes), j = (c % (I / kLanes)) * kLanes;
+            silu_mul16(gup + t * 2 * I + j, gup + t * 2 * I + I + j, actp + t * I + j);
+          }
+        });
+        L.down.run(team, actp, T_, outp, a);
+      }
+      norm_rows(team, outp, final_norm_, result.data_ptr<T>());
+    });
+    return result;
+  }
+
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;
   torch::Tensor final_norm_;
   std::vector<StackLayer> layers_;
+  bool teamable_ = true, has_bf16_ = false;
 };
 
 }  // namespace
@@ -1082,7 +1445,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>())
       .def("add_layer", &DecodeStack::add_layer)
-      .def("forward", &DecodeStack::forward, "a decode step through every layer", nogil);
+      .def("forward", &DecodeStack::forward, "a decode step through every layer", py::arg("x"),
+           py::arg("cos"), py::arg("sin"), py::arg("slots"), py::arg("block_tables"),
+           py::arg("context_lens"), py::arg("window"), py::arg("team") = true, nogil);
   m.def("quant_rows", &quant_rows, "rows of an int8 / 4-bit packed weight, dequantized", nogil);
   m.def("linear_quant", &linear_quant, "x W^T + b with int8 / 4-bit weights in blocks of 32",
         nogil);
