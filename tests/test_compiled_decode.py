@@ -26,7 +26,8 @@ CASES = {  # name: (kind, overrides, quantization)
     "mistral-window": ("mistral", {"sliding_window": 8}, "int8"),
     "llama-untied": ("llama", {"tie_word_embeddings": False}, None),
 }
-PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11], [200, 201, 202, 203] * 5]
+# the last one's 300 tokens are two chunks of decode attention (merged)
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11], [200, 201, 202, 203] * 5, [7, 8, 9] * 100]
 
 
 def _llm(tmp_path, case: str, **options) -> LLM:
@@ -43,9 +44,10 @@ def _run(llm: LLM, params: SamplingParams) -> list[tuple[list[int], str]]:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_compiled_step_is_the_python_forward_bit_for_bit(tmp_path, case):
-    """One decode batch of three sequences of different lengths (one past the sliding window):
-    the compiled call (as a team of threads and op by op) and the Python layers give equal
-    hidden states; then whole generations (greedy, with logprobs) are equal with it on and off."""
+    """One decode batch of four sequences of different lengths (past the sliding window, past
+    one chunk of attention): the compiled call (as a team of threads and op by op) and the
+    Python layers give equal hidden states; then whole generations (greedy, with logprobs) are
+    equal with it on and off."""
     llm = _llm(tmp_path, case)
     runner = llm.engine.runner
     model, cache = runner.model, runner.cache

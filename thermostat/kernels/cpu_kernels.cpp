@@ -116,26 +116,22 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// In-place softmax of s[0, n).
-inline void softmax(float* s, int64_t n) {
+// s[0, n) <- exp(s - max s), in place; returns (max s, sum of the exps).
+inline std::pair<float, float> exp_shifted(float* s, int64_t n) {
   __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n; i += kLanes) {
     const __mmask16 m = n - i >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
     mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, m, s + i));
   }
-  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  const float top = _mm512_reduce_max_ps(mx);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += kLanes) {
     const __mmask16 m = n - i >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), top));
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), _mm512_set1_ps(top)));
     sum = _mm512_mask_add_ps(sum, m, sum, e);
     _mm512_mask_storeu_ps(s + i, m, e);
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-  for (int64_t i = 0; i < n; i += kLanes) {
-    const __mmask16 m = n - i >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
-    _mm512_mask_storeu_ps(s + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + i), inv));
-  }
+  return {top, _mm512_reduce_add_ps(sum)};
 }
 
 // Dispatch on the compute dtypes the engine serves.
@@ -355,7 +351,13 @@ inline void prefetch_row(const C* base, int64_t slot, int64_t Hkv, int64_t h, in
   }
 }
 
-// One decode attention call's inputs as raw pointers; `attend` computes one (row, KV head) item.
+// Decode attention splits each row's context (its window) into chunks of kChunkTokens: the items
+// (row, KV head, chunk) spread over the threads evenly even for one row of a few KV heads, and
+// the chunks' partial softmaxes are merged in chunk order. The split depends on the row's own
+// context length only, so a row's result is the same bits whatever it is batched with.
+constexpr int64_t kChunkTokens = 256;
+
+// One decode attention call's inputs as raw pointers.
 template <typename T, typename C>
 struct AttentionArgs {
   const T* q;
@@ -368,22 +370,47 @@ struct AttentionArgs {
   T* out;  // [B, Hq, D]
 };
 
+// The call's items, and room for their partial results.
+struct AttentionPlan {
+  std::vector<int64_t> first;  // [B + 1]: row b's items are [first[b], first[b + 1]), KV head major
+  std::vector<float> parts;    // [item][group][D + 2]: a chunk's max score, sum of exp, sum of exp v
+
+  bool merge = false;           // whether a row has more than one chunk
+
+  AttentionPlan(const int64_t* lens, int64_t B, int64_t Hkv, int64_t group, int64_t D,
+                int64_t window) : first(B + 1, 0) {
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = window > 0 ? std::min(lens[b], window) : lens[b];
+      const int64_t chunks = (n + kChunkTokens - 1) / kChunkTokens;
+      first[b + 1] = first[b] + Hkv * chunks;
+      merge = merge || chunks > 1;
+    }
+    parts.resize(first[B] * group * (D + 2));
+  }
+  int64_t items() const { return first.back(); }
+};
+
 struct AttentionScratch {  // one thread's, reused across items
-  std::vector<float> scores;
-  std::vector<int64_t> slots;
+  std::vector<float> scores;  // [group][kChunkTokens]
+  int64_t slots[kChunkTokens + kAheadTokens];  // the chunk's tokens, then the next chunk's first
   std::vector<__m512> qv, acc;
 };
 
+// Item `item` of the plan: for each query head g of its KV head's group, the chunk's max score m,
+// l = sum exp(s - m) and sum exp(s - m) v, into the plan's parts.
 template <typename T, typename C>
-void attend(const AttentionArgs<T, C>& a, int64_t item, AttentionScratch& s) {
+void attend_chunk(const AttentionArgs<T, C>& a, AttentionPlan& plan, int64_t item,
+                  AttentionScratch& s) {
   const int64_t group = a.Hq / a.Hkv, D = a.D, dv = D / kLanes, Hkv = a.Hkv, bs = a.block_size;
-  const int64_t b = item / Hkv, h = item % Hkv;
+  const int64_t b = std::upper_bound(plan.first.begin(), plan.first.end(), item) - plan.first.begin() - 1;
+  const int64_t chunks = (plan.first[b + 1] - plan.first[b]) / Hkv;
+  const int64_t h = (item - plan.first[b]) / chunks, c = (item - plan.first[b]) % chunks;
   const int64_t len = a.lens[b];
-  const int64_t start = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
-  const int64_t n = len - start;
-  s.scores.resize(group * n);
+  const int64_t begin = (a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0) + c * kChunkTokens;
+  const int64_t n = std::min(kChunkTokens, len - begin);
   s.qv.resize(group * dv);
   s.acc.resize(group * dv);
+  s.scores.resize(group * kChunkTokens);
   float* scores = s.scores.data();
   __m512* qv = s.qv.data();
   __m512* acc = s.acc.data();
@@ -393,47 +420,91 @@ void attend(const AttentionArgs<T, C>& a, int64_t item, AttentionScratch& s) {
       qv[g * dv + d] = _mm512_mul_ps(load16(qrow + d * kLanes), _mm512_set1_ps(a.scale));
     }
   }
-  // cache slot of every context token (no division per token: it cost more than the math)
-  s.slots.resize(n);
-  int64_t* slots = s.slots.data();
-  for (int64_t i = 0, blk = start / bs, off = start % bs; i < n; ++i) {
+  // cache slot of every token of the chunk and of the next chunk's first kAheadTokens (no
+  // division per token: it cost more than the math)
+  int64_t* slots = s.slots;
+  const int64_t ahead = std::min(n + kAheadTokens, len - begin);
+  for (int64_t i = 0, blk = begin / bs, off = begin % bs; i < ahead; ++i) {
     slots[i] = a.tables[b * a.nb + blk] * bs + off;
     if (++off == bs) off = 0, ++blk;
   }
-  // context token i's row of K or V as floats (prefetching the row kAheadTokens later);
-  // returns the token's fp8 scale (1 otherwise)
+  // Token i's row of K or V as floats, prefetching kAheadTokens ahead in the order the rows are
+  // read: the chunk's keys, its values, then the next chunk's keys (the thread's next item,
+  // usually). Returns the token's fp8 scale (1 otherwise).
   auto load_token = [&](const C* base, const float* scales, int64_t i, __m512* regs) {
-    if (i + kAheadTokens < n) prefetch_row(base, slots[i + kAheadTokens], Hkv, h, D);
+    const int64_t j = i + kAheadTokens;
+    if (j < n) prefetch_row(base, slots[j], Hkv, h, D);
+    else if (base == a.keys) { if (j - n < n) prefetch_row(a.values, slots[j - n], Hkv, h, D); }
+    else if (j < ahead) prefetch_row(a.keys, slots[j], Hkv, h, D);
     const C* row = base + (slots[i] * Hkv + h) * D;
     for (int64_t d = 0; d < dv; ++d) regs[d] = load16(row + d * kLanes);
     return scales ? scales[slots[i] * Hkv + h] : 1.0f;
   };
-  // scores = q . k for every context token, read in place through the block table
+  if (c == 0) {
+    for (int64_t i = 0; i < std::min(kAheadTokens, n); ++i) prefetch_row(a.keys, slots[i], Hkv, h, D);
+  }
+  // scores = q . k for every token, read in place through the block table
   __m512 reg[16];
   for (int64_t i = 0; i < n; ++i) {
     const float ks = load_token(a.keys, a.key_scales, i, reg);
     for (int64_t g = 0; g < group; ++g) {
       __m512 dot = _mm512_mul_ps(qv[g * dv], reg[0]);
       for (int64_t d = 1; d < dv; ++d) dot = _mm512_fmadd_ps(qv[g * dv + d], reg[d], dot);
-      scores[g * n + i] = _mm512_reduce_add_ps(dot) * ks;
+      scores[g * kChunkTokens + i] = _mm512_reduce_add_ps(dot) * ks;
     }
   }
+  float* part = plan.parts.data() + item * group * (D + 2);  // [g][m, l, acc...]
   for (int64_t g = 0; g < group; ++g) {
-    softmax(scores + g * n, n);
+    const auto [m, l] = exp_shifted(scores + g * kChunkTokens, n);
+    part[g * (D + 2)] = m;
+    part[g * (D + 2) + 1] = l;
     for (int64_t d = 0; d < dv; ++d) acc[g * dv + d] = _mm512_setzero_ps();
   }
-  // out = sum_i p_i v_i
+  // sum exp(s_i - m) v_i
   for (int64_t i = 0; i < n; ++i) {
     const float vs = load_token(a.values, a.value_scales, i, reg);
     for (int64_t g = 0; g < group; ++g) {
-      __m512 p = _mm512_set1_ps(scores[g * n + i] * vs);
+      __m512 p = _mm512_set1_ps(scores[g * kChunkTokens + i] * vs);
       for (int64_t d = 0; d < dv; ++d) acc[g * dv + d] = _mm512_fmadd_ps(p, reg[d], acc[g * dv + d]);
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    T* orow = a.out + (b * a.Hq + h * group + g) * D;
-    for (int64_t d = 0; d < dv; ++d) store16(orow + d * kLanes, acc[g * dv + d]);
+    if (chunks == 1) {  // the whole row: normalized here, as merge_chunks would (the same bits)
+      const __m512 inv = _mm512_set1_ps(1.0f / part[g * (D + 2) + 1]);
+      T* orow = a.out + (b * a.Hq + h * group + g) * D;
+      for (int64_t d = 0; d < dv; ++d) store16(orow + d * kLanes, _mm512_mul_ps(acc[g * dv + d], inv));
+    } else {
+      for (int64_t d = 0; d < dv; ++d) _mm512_storeu_ps(part + g * (D + 2) + 2 + d * kLanes, acc[g * dv + d]);
+    }
   }
+}
+
+// Output row (row b, query head qh): its KV head's chunks merged in chunk order,
+// sum_c exp(m_c - M) acc_c / sum_c exp(m_c - M) l_c with M the largest m_c. A row of one chunk
+// is written by attend_chunk (acc / l: what this gives for one chunk, bit for bit).
+template <typename T, typename C>
+void merge_chunks(const AttentionArgs<T, C>& a, const AttentionPlan& plan, int64_t b, int64_t qh) {
+  const int64_t group = a.Hq / a.Hkv, D = a.D, dv = D / kLanes, stride = group * (D + 2);
+  const int64_t chunks = (plan.first[b + 1] - plan.first[b]) / a.Hkv;
+  if (chunks == 1) return;  // attend_chunk wrote it
+  const float* part = plan.parts.data() + (plan.first[b] + (qh / group) * chunks) * stride +
+                      (qh % group) * (D + 2);
+  float top = part[0];
+  for (int64_t c = 1; c < chunks; ++c) top = std::max(top, part[c * stride]);
+  __m512 acc[16];
+  for (int64_t d = 0; d < dv; ++d) acc[d] = _mm512_setzero_ps();
+  float l = 0.0f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float* p = part + c * stride;
+    const float w = std::exp(p[0] - top);
+    l += w * p[1];
+    for (int64_t d = 0; d < dv; ++d) {
+      acc[d] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(p + 2 + d * kLanes), acc[d]);
+    }
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / l);
+  T* orow = a.out + (b * a.Hq + qh) * D;
+  for (int64_t d = 0; d < dv; ++d) store16(orow + d * kLanes, _mm512_mul_ps(acc[d], inv));
 }
 
 template <typename T, typename C>
@@ -462,9 +533,15 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cach
                            torch::Tensor& out) {
   const auto args = attention_args<T, C>(q, key_cache, value_cache, key_scale, value_scale,
                                          block_tables, context_lens, scale, window, out);
-  at::parallel_for(0, q.size(0) * args.Hkv, 1, [&](int64_t b, int64_t e) {
+  const int64_t B = q.size(0);
+  AttentionPlan plan(args.lens, B, args.Hkv, args.Hq / args.Hkv, args.D, window);
+  at::parallel_for(0, plan.items(), 1, [&](int64_t b, int64_t e) {
     AttentionScratch scratch;
-    for (int64_t item = b; item < e; ++item) attend(args, item, scratch);
+    for (int64_t item = b; item < e; ++item) attend_chunk(args, plan, item, scratch);
+  });
+  if (!plan.merge) return;
+  at::parallel_for(0, B * args.Hq, 16, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) merge_chunks(args, plan, i / args.Hq, i % args.Hq);
   });
 }
 
@@ -1319,6 +1396,7 @@ class DecodeStack {
                              int64_t window) const {
     const int64_t T_ = x.size(0), H = heads_, Hkv = kv_heads_, D = head_dim_;
     const int64_t hidden = x.size(1), Nqkv = (H + 2 * Hkv) * D, I = layers_[0].down.k();
+    const int64_t* lens = context_lens.data_ptr<int64_t>();
     TORCH_CHECK_VALUE(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T_ * D &&
                           sin.sizes() == cos.sizes() && cos.scalar_type() == x.scalar_type() &&
                           sin.scalar_type() == x.scalar_type() && D % 32 == 0,
@@ -1342,6 +1420,7 @@ class DecodeStack {
     const int64_t* slot = slots.data_ptr<int64_t>();
     const float eps = static_cast<float>(eps_);
     torch::Tensor qk_normed;  // Qwen3's q and k after their norms, [T, H + Hkv, D]
+    AttentionPlan plan(lens, T_, Hkv, H / Hkv, D, window);  // the same for every layer
 
     // rows r of the team's share: norm(residual) or, with x, residual += x then its norm
     auto norm_rows = [&](Team& team, const T* xrows, const torch::Tensor& w, T* dst) {
@@ -1387,14 +1466,19 @@ class DecodeStack {
           }
         });
         const AttentionArgs<T, T> args{qk, qk_row, D, kc, vc, nullptr, nullptr,
-                                       block_tables.data_ptr<int64_t>(),
-                                       context_lens.data_ptr<int64_t>(), H, Hkv, D,
+                                       block_tables.data_ptr<int64_t>(), lens, H, Hkv, D,
                                        L.key_cache.size(1), block_tables.size(1), window,
                                        static_cast<float>(scale_), attnp};
         team.step([&] {
-          const auto [b, e] = team.share(T_ * Hkv);
-          for (int64_t item = b; item < e; ++item) attend(args, item, scratch);
+          const auto [b, e] = team.share(plan.items());
+          for (int64_t item = b; item < e; ++item) attend_chunk(args, plan, item, scratch);
         });
+        if (plan.merge) {
+          team.step([&] {
+            const auto [b, e] = team.share(T_ * H);
+            for (int64_t i = b; i < e; ++i) merge_chunks(args, plan, i / H, i % H);
+          });
+        }
         L.o.run(team, attnp, T_, outp, a);
         norm_rows(team, outp, L.post_norm, hp);
         L.gate_up.run(team, hp, T_, gup, a);
