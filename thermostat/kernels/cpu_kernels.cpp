@@ -1175,56 +1175,73 @@ torch::Tensor quant_rows(torch::Tensor packed, torch::Tensor ids, int64_t n, int
 //
 // The pool's threads through a whole call, in one OpenMP parallel region (the pool torch's
 // at::parallel_for uses: the same libgomp): `step(f)` runs f on every thread, each taking its
-// share of the work with `share`, then waits for all of them. Forking and joining per op costs
+// share of the work with `share` (fixed) or `claim` (first come), then waits for all of them. Forking and joining per op costs
 // ~2.5 us and the wait for the slower thread's last group; a barrier costs ~0.3 us. An exception
 // in f is kept and rethrown by `run_team` after the region; the steps after it do nothing, but
 // every thread still meets every barrier.
+// The shared state of one team.
+struct TeamState {
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;
+  std::mutex mu;
+  std::atomic<int64_t> next[2] = {0, 0};  // claim counters, by step parity
+};
+
 class Team {
  public:
-  Team(int64_t id, int64_t size, std::atomic<bool>& failed, std::exception_ptr& error,
-       std::mutex& mu)
-      : id_(id), size_(size), failed_(failed), error_(error), mu_(mu) {}
+  Team(int64_t id, int64_t size, TeamState& state) : id_(id), size_(size), state_(state) {}
 
   // this thread's [begin, end) of n units (every thread's within one unit of the others')
   std::pair<int64_t, int64_t> share(int64_t n) const {
     return {n * id_ / size_, n * (id_ + 1) / size_};
   }
 
+  // f(begin, end) over units [0, n), `grain` at a time, each piece to whichever thread asks
+  // first: a thread the OS preempts mid-step (a server's event loop on a 2-core machine) leaves
+  // the rest of the step's work to the others instead of holding them at the barrier. Once
+  // per step at most.
+  template <typename F>
+  void claim(int64_t n, int64_t grain, F&& f) {
+    std::atomic<int64_t>& next = state_.next[steps_ % 2];
+    for (int64_t b = next.fetch_add(grain); b < n; b = next.fetch_add(grain)) {
+      f(b, std::min(n, b + grain));
+    }
+  }
+
   bool leader() const { return id_ == 0; }  // the calling thread (torch's thread-local state)
 
   template <typename F>
   void step(F&& f) {
-    if (!failed_.load(std::memory_order_relaxed)) {
+    // the other parity's counter was last used by the step before, which every thread has left
+    if (leader()) state_.next[(steps_ + 1) % 2].store(0, std::memory_order_relaxed);
+    if (!state_.failed.load(std::memory_order_relaxed)) {
       try {
         f();
       } catch (...) {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!error_) error_ = std::current_exception();
-        failed_ = true;
+        std::lock_guard<std::mutex> lock(state_.mu);
+        if (!state_.error) state_.error = std::current_exception();
+        state_.failed = true;
       }
     }
 #pragma omp barrier
+    ++steps_;
   }
 
  private:
-  int64_t id_, size_;
-  std::atomic<bool>& failed_;
-  std::exception_ptr& error_;
-  std::mutex& mu_;
+  int64_t id_, size_, steps_ = 0;
+  TeamState& state_;
 };
 
 // body(team) on each of the pool's threads; body does its work in team.step calls only.
 template <typename F>
 void run_team(F&& body) {
-  std::atomic<bool> failed{false};
-  std::exception_ptr error;
-  std::mutex mu;
+  TeamState state;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    Team team(omp_get_thread_num(), omp_get_num_threads(), failed, error, mu);
+    Team team(omp_get_thread_num(), omp_get_num_threads(), state);
     body(team);
   }
-  if (error) std::rethrow_exception(error);
+  if (state.error) std::rethrow_exception(state.error);
 }
 
 // ---------------------------------------------------------------- decode stack
@@ -1237,8 +1254,9 @@ void run_team(F&& body) {
 // what it saves is the Python between the ops and, in a team (below), their forks and joins.
 // thermostat/models/compiled_decode.py decides where it applies.
 //
-// Two ways through: `team` runs the whole step in one parallel region, each op split evenly
-// between the threads, a barrier between ops; `ops` calls the functions above one after another
+// Two ways through: `team` runs the whole step in one parallel region, a barrier between ops,
+// each op's work shared by the threads (linears and attention piece by piece to whichever thread
+// is free, so one the OS preempts holds the others back by one piece at most); `ops` calls the functions above one after another
 // (each forking its own threads). The team takes every stack it can: int8 / 4-bit linears, bf16
 // ones off AMX, widths multiples of 32 and a KV cache in the compute dtype; the AMX bf16 kernel
 // keeps the per-op way (it could not be measured inside a team here).
@@ -1277,8 +1295,9 @@ struct StackLinear {
         const auto* W = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
         const int64_t NB = packed.size(0), KS = packed.size(1);
         team.step([&] {
-          const auto [b, e] = team.share(NB);
-          bf16_blocks(reinterpret_cast<const uint16_t*>(x), M, KS * 32, W, KS, bp, y, n, b, e);
+          team.claim(NB, 4, [&](int64_t b, int64_t e) {
+            bf16_blocks(reinterpret_cast<const uint16_t*>(x), M, KS * 32, W, KS, bp, y, n, b, e);
+          });
         });
       }
       return;
@@ -1291,9 +1310,10 @@ struct StackLinear {
       quantize_blocks(x, KB * 32, KB * 32, KB, a, b, e);
     });
     team.step([&] {
-      const auto [b, e] = team.share(2 * G);
-      if (bits == 8) quant_units<8>(prefetch, a, M, W, KB, bp, y, n, b, e);
-      else quant_units<4>(prefetch, a, M, W, KB, bp, y, n, b, e);
+      team.claim(2 * G, 4, [&](int64_t b, int64_t e) {  // two whole groups at a time
+        if (bits == 8) quant_units<8>(prefetch, a, M, W, KB, bp, y, n, b, e);
+        else quant_units<4>(prefetch, a, M, W, KB, bp, y, n, b, e);
+      });
     });
   }
 };
@@ -1470,8 +1490,9 @@ class DecodeStack {
                                        L.key_cache.size(1), block_tables.size(1), window,
                                        static_cast<float>(scale_), attnp};
         team.step([&] {
-          const auto [b, e] = team.share(plan.items());
-          for (int64_t item = b; item < e; ++item) attend_chunk(args, plan, item, scratch);
+          team.claim(plan.items(), 1, [&](int64_t item, int64_t) {
+            attend_chunk(args, plan, item, scratch);
+          });
         });
         if (plan.merge) {
           team.step([&] {
