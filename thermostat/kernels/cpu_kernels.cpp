@@ -431,11 +431,13 @@ void attend_chunk(const AttentionArgs<T, C>& a, AttentionPlan& plan, int64_t ite
   // Token i's row of K or V as floats, prefetching kAheadTokens ahead in the order the rows are
   // read: the chunk's keys, its values, then the next chunk's keys (the thread's next item,
   // usually). Returns the token's fp8 scale (1 otherwise).
-  auto load_token = [&](const C* base, const float* scales, int64_t i, __m512* regs) {
+  auto load_token = [&](bool keys, int64_t i, __m512* regs) {
+    const C* base = keys ? a.keys : a.values;
+    const float* scales = keys ? a.key_scales : a.value_scales;
     const int64_t j = i + kAheadTokens;
     if (j < n) prefetch_row(base, slots[j], Hkv, h, D);
-    else if (base == a.keys) { if (j - n < n) prefetch_row(a.values, slots[j - n], Hkv, h, D); }
-    else if (j < ahead) prefetch_row(a.keys, slots[j], Hkv, h, D);
+    else if (keys && j - n < n) prefetch_row(a.values, slots[j - n], Hkv, h, D);
+    else if (!keys && j < ahead) prefetch_row(a.keys, slots[j], Hkv, h, D);
     const C* row = base + (slots[i] * Hkv + h) * D;
     for (int64_t d = 0; d < dv; ++d) regs[d] = load16(row + d * kLanes);
     return scales ? scales[slots[i] * Hkv + h] : 1.0f;
@@ -446,7 +448,7 @@ void attend_chunk(const AttentionArgs<T, C>& a, AttentionPlan& plan, int64_t ite
   // scores = q . k for every token, read in place through the block table
   __m512 reg[16];
   for (int64_t i = 0; i < n; ++i) {
-    const float ks = load_token(a.keys, a.key_scales, i, reg);
+    const float ks = load_token(true, i, reg);
     for (int64_t g = 0; g < group; ++g) {
       __m512 dot = _mm512_mul_ps(qv[g * dv], reg[0]);
       for (int64_t d = 1; d < dv; ++d) dot = _mm512_fmadd_ps(qv[g * dv + d], reg[d], dot);
@@ -462,7 +464,7 @@ void attend_chunk(const AttentionArgs<T, C>& a, AttentionPlan& plan, int64_t ite
   }
   // sum exp(s_i - m) v_i
   for (int64_t i = 0; i < n; ++i) {
-    const float vs = load_token(a.values, a.value_scales, i, reg);
+    const float vs = load_token(false, i, reg);
     for (int64_t g = 0; g < group; ++g) {
       __m512 p = _mm512_set1_ps(scores[g * kChunkTokens + i] * vs);
       for (int64_t d = 0; d < dv; ++d) acc[g * dv + d] = _mm512_fmadd_ps(p, reg[d], acc[g * dv + d]);
@@ -1175,12 +1177,12 @@ torch::Tensor quant_rows(torch::Tensor packed, torch::Tensor ids, int64_t n, int
 //
 // The pool's threads through a whole call, in one OpenMP parallel region (the pool torch's
 // at::parallel_for uses: the same libgomp): `step(f)` runs f on every thread, each taking its
-// share of the work with `share` (fixed) or `claim` (first come), then waits for all of them. Forking and joining per op costs
-// ~2.5 us and the wait for the slower thread's last group; a barrier costs ~0.3 us. An exception
-// in f is kept and rethrown by `run_team` after the region; the steps after it do nothing, but
-// every thread still meets every barrier.
-// The shared state of one team.
-struct TeamState {
+// share of the work with `share` (fixed) or `claim` (first come), then waits for all of them.
+// Forking and joining per op costs ~2.5 us and the wait for the slower thread's last group; a
+// barrier costs ~0.3 us. An exception in f is kept and rethrown by `run_team` after the region;
+// the steps after it do nothing, but every thread still meets every barrier.
+
+struct TeamState {  // shared by one team's threads
   std::atomic<bool> failed{false};
   std::exception_ptr error;
   std::mutex mu;
@@ -1340,8 +1342,7 @@ class DecodeStack {
     TORCH_CHECK_VALUE(layer.q_norm.has_value() == layer.k_norm.has_value(),
                       "DecodeStack: q and k norms come together");
     check_caches(layer.key_cache, layer.value_cache, layer.key_scale, layer.value_scale, H, D,
-                 layer.key_cache.scalar_type() == at::kByte ? final_norm_.scalar_type()
-                                                            : layer.key_cache.scalar_type());
+                 final_norm_.scalar_type());
     TORCH_CHECK_VALUE(layers_.empty() || layer.key_cache.sizes() == layers_[0].key_cache.sizes(),
                       "DecodeStack: every layer's cache has the same shape");
     // the team reads every projection's input whole: widths multiples of 32, no padding
