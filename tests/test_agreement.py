@@ -148,7 +148,7 @@ def test_a_stop_string_ends_the_same_generation_everywhere(server, llm):
 
 
 def test_stop_on_loop_ends_the_same_generation_everywhere(server, llm):
-    prompt = "My lord, I have news from the north."
+    prompt = "[Enter a Messenger.]\n\n[Enter a Messenger.]\n\n"  # a loop greedy carries on
     r = complete(server, prompt=prompt, temperature=0, max_tokens=80)
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=80))[0]
     choice = r["choices"][0]

@@ -1,9 +1,12 @@
 """Thermostat's CPU kernels (cpu_kernels.cpp), compiled for this machine.
 
-`ops()` is the one entry point: a `CpuOps` of typed calls into the compiled module, or None where
-the kernels cannot run here (a CPU without AVX-512 BF16, no C++ compiler, THERMOSTAT_KERNELS=0 in
-the environment). The loader calls it once (`load_model(cpu_kernels=...)`) and hands the result
-to the model and the KV cache. The module is built by `python -m thermostat.kernels` (which
+Two builds (`build.py`): on a CPU with AVX-512 BF16/VNNI every kernel (cpu_kernels.cpp); on one
+with AVX2 only (AMD Zen 2/3, Intel before Ice Lake) the linear layers (avx2_kernels.cpp: bf16,
+int8, int4), the rest of a step in PyTorch. `ops()` is a `CpuOps` of typed calls into the full
+module, or None where it cannot run here; `linear_ops()` the `LinearOps` of whichever build runs
+here (the full one's where it does), or None (no AVX2, no C++ compiler, THERMOSTAT_KERNELS=0 in the
+environment). The loader calls both once (`load_model(cpu_kernels=...)`) and hands the results to
+the model and the KV cache. The module is built by `python -m thermostat.kernels` (which
 tools/setup.sh runs) and cached per source, torch, Python, flags and CPU (`build.py`), so a server
 start only imports it; why the kernels are off is logged once.
 
@@ -21,6 +24,8 @@ that make the choice; forward code calls the function chosen:
 | pack_vnni, linear_vnni | linear.PackedLinear.__init__   | bf16 (every batch size)                |
 | linear_quant           | linear.QuantLinear (quant.py)  | int8 / int4 weights (every batch size) |
 | quant_rows             | linear.QuantEmbedding          | int8 / int4 embeddings                 |
+
+The last four (`LinearOps`) are in both builds; the AVX2 build has only those.
 | write_kv               | kv_cache.PagedKVCache.__init__ | key/value stored in the compute dtype  |
 | decode_attention       | kv_cache.PagedKVCache.__init__ | key/value in fp8 or the compute dtype, |
 |                        |                                | head_dim % 16 == 0 and <= 256          |
@@ -37,6 +42,9 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from thermostat.kernels.build import (
+    AVX2,
+    FULL,
+    Build,
     build_failure,
     cache_root,
     load_or_build,
@@ -54,12 +62,59 @@ log = logging.getLogger("thermostat.kernels")
 
 
 @dataclass(frozen=True)
-class CpuOps:
-    """Typed calls into the compiled module. Float ops take float32, bfloat16 or float16 (one
-    dtype for all their tensors) and compute in float32; every op checks its input and raises
-    ValueError on a mismatch."""
+class LinearOps:
+    """Typed calls into a compiled module's linear layers (both builds have them). Every op
+    checks its input and raises ValueError on a mismatch."""
 
     module: ModuleType
+
+    def pack_vnni(self, weight: torch.Tensor) -> torch.Tensor:
+        """bf16 weight [N, K] -> the blocked layout `linear_vnni` reads (N, K padded)."""
+        y: torch.Tensor = self.module.pack_vnni(weight)
+        return y
+
+    def linear_vnni(
+        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [M, K] bf16 (any M >= 1); packed from `pack_vnni` of W [n, K]; bias [n] or None.
+        Returns x W^T + bias [M, n] bf16, each row the same bits whatever M is."""
+        y: torch.Tensor = self.module.linear_vnni(x, packed, n, bias)
+        return y
+
+    def uses_amx(self) -> bool:
+        """Whether `linear_vnni` runs on AMX tiles on this machine (else bf16 dot products)."""
+        amx: bool = self.module.uses_amx()
+        return amx
+
+    def linear_quant(
+        self,
+        x: torch.Tensor,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x [M, K] (float32, bf16 or fp16, any M >= 1) times an int8 / 4-bit weight packed by
+        thermostat.models.quant; bias [n] or None. Returns [M, n] in x's dtype, each row the
+        same bits whatever M is."""
+        y: torch.Tensor = self.module.linear_quant(
+            x, weight.packed, weight.out_features, weight.bits, bias
+        )
+        return y
+
+    def quant_rows(
+        self, weight: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Rows `ids` [T] int64 of an int8 / 4-bit weight, dequantized: [T, in_features] in
+        `dtype` (an embedding lookup; the same values as QuantizedWeight.rows)."""
+        y: torch.Tensor = self.module.quant_rows(
+            weight.packed, ids, weight.out_features, weight.in_features, weight.bits, dtype
+        )
+        return y
+
+
+@dataclass(frozen=True)
+class CpuOps(LinearOps):
+    """The full build's calls: the linear layers and the decode step's other ops. Float ops take
+    float32, bfloat16 or float16 (one dtype for all their tensors) and compute in float32."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [N, dim] (unit stride along dim, dim % 16 == 0), weight [dim] -> [N, dim]."""
@@ -120,87 +175,69 @@ class CpuOps:
         )  # fmt: skip
         return y
 
-    def pack_vnni(self, weight: torch.Tensor) -> torch.Tensor:
-        """bf16 weight [N, K] -> the blocked layout `linear_vnni` reads (N, K padded)."""
-        y: torch.Tensor = self.module.pack_vnni(weight)
-        return y
-
-    def linear_vnni(
-        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        """x [M, K] bf16 (any M >= 1); packed from `pack_vnni` of W [n, K]; bias [n] or None.
-        Returns x W^T + bias [M, n] bf16, each row the same bits whatever M is."""
-        y: torch.Tensor = self.module.linear_vnni(x, packed, n, bias)
-        return y
-
-    def uses_amx(self) -> bool:
-        """Whether `linear_vnni` runs on AMX tiles on this machine (else bf16 dot products)."""
-        amx: bool = self.module.uses_amx()
-        return amx
-
-    def linear_quant(
-        self,
-        x: torch.Tensor,
-        weight: QuantizedWeight,
-        bias: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """x [M, K] (float32, bf16 or fp16, any M >= 1) times an int8 / 4-bit weight packed by
-        thermostat.models.quant; bias [n] or None. Returns [M, n] in x's dtype, each row the
-        same bits whatever M is."""
-        y: torch.Tensor = self.module.linear_quant(
-            x, weight.packed, weight.out_features, weight.bits, bias
-        )
-        return y
-
-    def quant_rows(
-        self, weight: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """Rows `ids` [T] int64 of an int8 / 4-bit weight, dequantized: [T, in_features] in
-        `dtype` (an embedding lookup; the same values as QuantizedWeight.rows)."""
-        y: torch.Tensor = self.module.quant_rows(
-            weight.packed, ids, weight.out_features, weight.in_features, weight.bits, dtype
-        )
-        return y
-
 
 _lock = threading.Lock()
 
 
 def ops() -> CpuOps | None:
-    """The compiled kernels, or None (the reason is logged once and kept in `status()`)."""
+    """The full build's kernels, or None (the reason is logged once and kept in `status()`)."""
     with _lock:
-        return _load()[0]
+        module = _load(FULL)
+    return None if module is None else CpuOps(module)
+
+
+def linear_ops() -> LinearOps | None:
+    """The linear layers of the build that runs here: the full one's, else the AVX2 one's, else
+    None."""
+    full = ops()
+    return full if full is not None else build_ops(AVX2)
+
+
+def build_ops(build: Build) -> LinearOps | None:
+    """`build`'s linear layers wherever this CPU can run it, or None: the AVX2 build runs on the
+    AVX-512 machines too, where tests hold both builds to the same references."""
+    with _lock:
+        module = _load(build)
+    return None if module is None else LinearOps(module)
 
 
 def status() -> str:
     """One line for startup logs and bench reports."""
-    compiled = ops()
-    if compiled is None:
-        return f"off ({_load()[1]})"
-    return "on (AMX)" if compiled.uses_amx() else "on (no AMX)"
+    full = ops()
+    if full is not None:
+        return "on (AMX)" if full.uses_amx() else "on (no AMX)"
+    if linear_ops() is not None:
+        return f"linear layers only (AVX2; {_reasons[FULL]})"
+    return f"off ({_reasons[FULL]})"
+
+
+_reasons: dict[Build, str] = {}  # why a build is off, once tried
 
 
 @functools.cache
-def _load() -> tuple[CpuOps | None, str | None]:
-    """(the kernels or None, why they are off): built once, under `_lock`."""
-    module, reason = _build()
+def _load(build: Build) -> ModuleType | None:
+    """`build`'s module or None (why: `_reasons`, logged), tried once, under `_lock`."""
+    module, reason = _build(build)
     if module is None:
-        log.warning("CPU kernels off (%s): using the PyTorch path", reason)
-        return None, reason
-    return CpuOps(module), None
+        assert reason is not None
+        _reasons[build] = reason
+        log.warning("CPU kernels %s off (%s)", build.what, reason)
+    else:
+        log.info("CPU kernels %s ready", build.what)
+    return module
 
 
-def _build() -> tuple[ModuleType | None, str | None]:
-    reason = unavailable_reason()
+def _build(build: Build) -> tuple[ModuleType | None, str | None]:
+    reason = unavailable_reason(build)
     if reason:
         return None, reason
-    key = this_key()
-    if not module_path(key).exists():
+    key = this_key(build)
+    if not module_path(key, build).exists():
         log.info("building CPU kernels into %s (setup does it ahead)", cache_root() / key)
     start = time.perf_counter()
     try:
-        module = load_or_build(key)
+        module = load_or_build(key, build)
     except Exception as exc:  # no compiler, no ninja, a toolchain without these intrinsics
         return None, build_failure(exc)
-    log.info("CPU kernels ready in %.1f s", time.perf_counter() - start)
+    log.debug("%s loaded in %.1f s", build.name, time.perf_counter() - start)
     return module, None

@@ -1,6 +1,7 @@
-"""`python -m thermostat.kernels`: builds (or finds) the CPU kernels for this machine and says
-which in one line. Exits 0 also where they are off, so setup passes on any CPU; 1 only when the
-build fails on a CPU that can run them (the compiler's output then goes to stderr)."""
+"""`python -m thermostat.kernels`: builds (or finds) the CPU kernels for this machine (the full
+build, else the AVX2 one) and says which in one line. Exits 0 also where they are off, so setup
+passes on any CPU; 1 only when the build fails on a CPU that can run it (the compiler's output then
+goes to stderr)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import sys
 import time
 
 from thermostat.kernels.build import (
+    AVX2,
+    FULL,
     build_failure,
     load_or_build,
     module_path,
@@ -17,24 +20,28 @@ from thermostat.kernels.build import (
 
 
 def main() -> int:
-    reason = unavailable_reason()
-    if reason:
+    build, reason = FULL, unavailable_reason(FULL)
+    if reason and unavailable_reason(AVX2) is None:
+        build, which = AVX2, f"CPU kernels (linear layers only, AVX2; the full build: {reason})"
+    elif reason:
         print(f"CPU kernels off: {reason}")
         return 0
-    key = this_key()
-    path = module_path(key)
+    else:
+        which = "CPU kernels"
+    key = this_key(build)
+    path = module_path(key, build)
     found = path.exists()
     start = time.perf_counter()
     try:
-        load_or_build(key)
+        load_or_build(key, build)
     except Exception as exc:  # no compiler, no ninja, a toolchain without these intrinsics
         print(exc, file=sys.stderr)
-        print(f"CPU kernels {build_failure(exc)}")
+        print(f"{which} {build_failure(exc)}")
         return 1
     if found:
-        print(f"CPU kernels already built at {path}")
+        print(f"{which} already built at {path}")
     else:
-        print(f"CPU kernels built in {time.perf_counter() - start:.1f} s at {path}")
+        print(f"{which} built in {time.perf_counter() - start:.1f} s at {path}")
     return 0
 
 

@@ -1,11 +1,12 @@
-"""Building cpu_kernels.cpp for this machine, cached per distinct build.
+"""Building the kernels for this machine, cached per distinct build: cpu_kernels.cpp (`FULL`:
+AVX-512 BF16/VNNI) or, on a CPU with AVX2 only, avx2_kernels.cpp (`AVX2`: the linear layers).
 
 Everything that changes the binary is hashed into one key, and each key has its own directory
 under `cache_root()` ($THERMOSTAT_KERNEL_CACHE, else ~/.cache/thermostat/kernels):
 
 | path                                   | what                                              |
 |----------------------------------------|---------------------------------------------------|
-| <key>/thermostat_cpu_kernels_<key>.so  | the published module: complete (os.replace) or absent |
+| <key>/<build name>_<key>.so            | the published module: complete (os.replace) or absent |
 | <key>/build/                           | torch's build directory (ninja file, objects, lock) |
 
 key = `cache_key(source bytes, torch version, Python ABI tag, compiler flags, CPU ISA flags)`.
@@ -23,18 +24,46 @@ import os
 import shutil
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-NAME = "thermostat_cpu_kernels"
+HERE = Path(__file__).parent
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
-# Instruction sets the source uses (Linux /proc/cpuinfo names).
-REQUIRED_CPU_FLAGS = ("avx2", "f16c", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni")
 # /proc/cpuinfo flags that -march=native turns into code (instruction sets), by prefix; the
 # others (bugs, power management, virtualisation) do not change the binary.
 ISA_FLAG_PREFIXES = ("avx", "amx", "sse", "ssse", "fma", "f16c", "bmi", "abm", "popcnt", "movbe")
+
+
+@dataclass(frozen=True)
+class Build:
+    """One compiled module: its source (with common.h, which both include), its name, and the
+    instruction sets (Linux /proc/cpuinfo names) it needs."""
+
+    name: str
+    source: Path
+    cpu_flags: tuple[str, ...]
+    what: str  # for logs
+
+    def source_bytes(self) -> bytes:
+        return self.source.read_bytes() + b"\0" + (HERE / "common.h").read_bytes()
+
+
+# Every kernel: the decode step's ops and the linear layers, AVX-512 BF16/VNNI (AMX where present).
+FULL = Build(
+    "thermostat_cpu_kernels",
+    HERE / "cpu_kernels.cpp",
+    ("avx2", "f16c", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"),
+    "(AVX-512, every op)",
+)
+# The linear layers only (bf16, int8, int4), for CPUs with AVX2 but not FULL's instruction sets.
+AVX2 = Build(
+    "thermostat_avx2_kernels",
+    HERE / "avx2_kernels.cpp",
+    ("avx2", "f16c", "fma"),
+    "(AVX2, the linear layers)",
+)
 
 
 def cpu_flags() -> set[str]:
@@ -48,11 +77,11 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def unavailable_reason() -> str | None:
-    """Why the kernels cannot be used on this machine, or None if they can be built."""
+def unavailable_reason(build: Build = FULL) -> str | None:
+    """Why `build` cannot be used on this machine, or None if it can be built."""
     if os.environ.get("THERMOSTAT_KERNELS", "1") == "0":
         return "THERMOSTAT_KERNELS=0"
-    missing = [f for f in REQUIRED_CPU_FLAGS if f not in cpu_flags()]
+    missing = [f for f in build.cpu_flags if f not in cpu_flags()]
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
     return None
@@ -78,13 +107,13 @@ def cache_root() -> Path:
     return Path(custom) if custom else Path.home() / ".cache" / "thermostat" / "kernels"
 
 
-def this_key() -> str:
-    """The key of this checkout's source with this torch, Python and CPU."""
+def this_key(build: Build = FULL) -> str:
+    """The key of this checkout's source of `build` with this torch, Python and CPU."""
     import torch
 
     isa = {f for f in cpu_flags() if f.startswith(ISA_FLAG_PREFIXES)}
     return cache_key(
-        SOURCE.read_bytes(),
+        build.source_bytes(),
         torch.__version__,
         sys.implementation.cache_tag,
         CFLAGS + LDFLAGS,
@@ -92,17 +121,17 @@ def this_key() -> str:
     )
 
 
-def module_path(key: str) -> Path:
-    return cache_root() / key / f"{NAME}_{key}.so"
+def module_path(key: str, build: Build = FULL) -> Path:
+    return cache_root() / key / f"{build.name}_{key}.so"
 
 
-def load_or_build(key: str) -> ModuleType:
+def load_or_build(key: str, build: Build = FULL) -> ModuleType:
     """Imports the published module of `key`, building and publishing it first if absent.
     Raises whatever the build raises (no compiler, no ninja, a toolchain without the
     intrinsics)."""
     import torch  # noqa: F401  (the module links against the libtorch this loads)
 
-    name, path = f"{NAME}_{key}", module_path(key)
+    name, path = f"{build.name}_{key}", module_path(key, build)
     if not path.exists():
         from torch.utils.cpp_extension import load
 
@@ -111,7 +140,7 @@ def load_or_build(key: str) -> ModuleType:
         # torch's file lock in build_dir makes a concurrent build of the same key wait.
         built = load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(build.source)],
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(build_dir),

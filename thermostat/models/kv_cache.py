@@ -254,16 +254,28 @@ class PagedKVCache:
     def _decode_sdpa(
         self, q: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        """The reference: the blocks gathered, then SDPA under meta.decode_mask."""
+        """The reference: the blocks gathered, then SDPA under meta.decode_mask, each row over
+        its context padded (masked) to a multiple of `SDPA_SPAN` tokens and run with the rows
+        of the same padded length. So a row's arithmetic depends on its own context only, not on
+        the block size or the rows batched with it (SDPA's reductions split by length)."""
         ck, cv = self.gather(layer, meta.decode_block_tables)  # [nd, L, Hkv, D]
-        return F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [nd, Hq, 1, D]
-            ck.transpose(1, 2),
-            cv.transpose(1, 2),
-            attn_mask=meta.decode_mask,
-            scale=scale,
-            enable_gqa=True,
-        ).squeeze(2)
+        spans = (meta.decode_context_lens + SDPA_SPAN - 1) // SDPA_SPAN * SDPA_SPAN
+        out = torch.empty_like(q)
+        for span in sorted(set(spans.tolist())):
+            rows = (spans == span).nonzero().squeeze(1)
+            keys, values, mask = ck[rows], cv[rows], meta.decode_mask[rows]
+            if keys.shape[1] != span:  # cut or pad (past every row's context: masked)
+                keys, values = (_to_length(t, span, dim=1) for t in (keys, values))
+                mask = _to_length(mask, span, dim=3)
+            out[rows] = F.scaled_dot_product_attention(
+                q[rows].unsqueeze(2),  # [n, Hq, 1, D]
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=True,
+            ).squeeze(2)
+        return out
 
     def _read(
         self, store: torch.Tensor, scales: torch.Tensor, tables: torch.Tensor
@@ -275,6 +287,18 @@ class PagedKVCache:
             s = scales.index_select(0, flat).view(b, nb * store.shape[1], *scales.shape[2:])
             return (x.view(torch.float8_e4m3fn).float() * s).to(self.compute_dtype)
         return x if x.dtype == self.compute_dtype else x.to(self.compute_dtype)
+
+
+SDPA_SPAN = 256  # tokens: the PyTorch decode path's unit of key length
+
+
+def _to_length(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    """t cut or zero-padded (False for a bool mask) along `dim` to `length`."""
+    if t.shape[dim] >= length:
+        return t.narrow(dim, 0, length)
+    pad = list(t.shape)
+    pad[dim] = length - t.shape[dim]
+    return torch.cat([t, t.new_zeros(pad)], dim=dim)
 
 
 def _slots(blocks: torch.Tensor) -> torch.Tensor:

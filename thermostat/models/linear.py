@@ -1,13 +1,15 @@
 """Linear layers in the weight layouts the kernels read, for every batch size.
 
-bfloat16: with the compiled kernels (thermostat.kernels.CpuOps) a layer keeps one packing,
+bfloat16: with the compiled kernels (thermostat.kernels.LinearOps) a layer keeps one packing,
 `pack_vnni`'s, and `linear_vnni` computes every batch, decode and prefill, with one arithmetic:
 a row's result never depends on the rows batched with it (batch invariance; oneDNN, which picks
 its kernel by batch size, gives the same row different bits at 1, 3 or 64 rows). Without the
-kernels, oneDNN with the weight reordered once at load time. float32 keeps the plain layout (MKL).
+kernels, oneDNN with the weight reordered once at load time where oneDNN has bf16 (AVX-512 BW/VL/DQ
+or AVX-NE-CONVERT), else nn.Linear. float32 keeps the plain layout (MKL).
 
 int8 / int4 (`--quantization`, thermostat.models.quant): QuantLinear over `linear_quant`, and
-QuantEmbedding for the embeddings (the tied LM head's weight too); they need the kernels.
+QuantEmbedding for the embeddings (the tied LM head's weight too); they need the kernels (either
+build: AVX-512 or AVX2).
 """
 
 from __future__ import annotations
@@ -15,20 +17,28 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from thermostat.kernels import CpuOps
+from thermostat.kernels import LinearOps
 from thermostat.models.quant import QuantizedWeight, quantize
 
 
 def packing_available(dtype: torch.dtype) -> bool:
-    # ignore: torch leaves mkldnn.is_available unannotated
-    return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+    """Whether a bf16 weight can be packed here: by the kernels, or by oneDNN, whose bf16 linear
+    needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only CPU keeps nn.Linear)."""
+    # ignore: torch leaves these two unannotated
+    return (
+        dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 class PackedLinear(nn.Module):
     """y = x W^T + b with W packed once: in the kernels' VNNI layout when they are there, else
     in oneDNN's blocked layout."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, ops: CpuOps | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, ops: LinearOps | None
+    ) -> None:
         super().__init__()
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
@@ -80,7 +90,7 @@ class PackedEmbedding(nn.Module):
         return rows[:, : head.in_features].reshape(*ids.shape, head.in_features)
 
 
-def pack_linears(module: nn.Module, ops: CpuOps | None = None) -> int:
+def pack_linears(module: nn.Module, ops: LinearOps | None = None) -> int:
     """Replace every nn.Linear under `module` by a PackedLinear when the dtype allows it, and let
     modules that pack themselves (MoE experts: `pack_with`) do so. Returns how many linears
     were packed."""
@@ -101,7 +111,7 @@ class QuantLinear(nn.Module):
     """y = x W^T + b with W in int8 or int4 (thermostat.models.quant), through the kernels'
     `linear_quant` for every batch size (one arithmetic: batch invariant)."""
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, ops: CpuOps) -> None:
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, ops: LinearOps) -> None:
         super().__init__()
         self.weight = weight
         self.out_features = weight.out_features
@@ -119,7 +129,7 @@ class QuantEmbedding(nn.Module):
     multiplies by), dequantized to `dtype` as they are gathered (the kernels' `quant_rows`;
     QuantizedWeight.rows is its reference)."""
 
-    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, ops: CpuOps) -> None:
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype, ops: LinearOps) -> None:
         super().__init__()
         self.weight = weight
         self.dtype = dtype
@@ -139,14 +149,14 @@ def weight_of(module: nn.Module) -> torch.Tensor:
     return weight.detach()
 
 
-def quantized_linear(linear: nn.Module, fmt: str, ops: CpuOps) -> QuantLinear:
+def quantized_linear(linear: nn.Module, fmt: str, ops: LinearOps) -> QuantLinear:
     """An nn.Linear or PackedLinear (weight and bias) as a QuantLinear in `fmt`."""
     source = linear.bias
     bias = source.detach().clone() if isinstance(source, torch.Tensor) else None
     return QuantLinear(quantize(weight_of(linear), fmt), bias, ops)
 
 
-def quantize_linears(module: nn.Module, fmt: str, ops: CpuOps, skip: tuple[type, ...]) -> int:
+def quantize_linears(module: nn.Module, fmt: str, ops: LinearOps, skip: tuple[type, ...]) -> int:
     """Replace every nn.Linear / PackedLinear under `module` (not inside a `skip` module, e.g.
     the float32 router) by a QuantLinear in `fmt`. Returns how many."""
     count = 0

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from thermostat.kernels import CpuOps
+from thermostat.kernels import CpuOps, LinearOps
 from thermostat.models.layers import Float32Module, gated_activation
 from thermostat.models.linear import PackedLinear, QuantLinear
 from thermostat.models.quant import quantize
@@ -131,14 +131,14 @@ class Experts(nn.Module):
         # PackedLinear / QuantLinear, the fused float parameters dropped; None: those parameters
         self.per_expert: nn.ModuleList | None = None
 
-    def pack_with(self, ops: CpuOps | None) -> None:
+    def pack_with(self, ops: LinearOps | None) -> None:
         """bf16 with the kernels: each expert's projections as PackedLinears (one arithmetic
         for any batch, as every dense layer); otherwise the float parameters stay."""
         if ops is None or self.gate_up_proj.dtype != torch.bfloat16:
             return
         self._split(lambda w: PackedLinear(w, None, ops))
 
-    def quantize(self, fmt: str, ops: CpuOps) -> None:
+    def quantize(self, fmt: str, ops: LinearOps) -> None:
         """Every expert's two projections in `fmt` (packed experts are left to the caller's
         pass over the model's PackedLinears)."""
         if self.per_expert is None:

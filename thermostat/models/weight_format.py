@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from thermostat.kernels import CpuOps
+from thermostat.kernels import LinearOps
 from thermostat.models.layers import Float32Module
 from thermostat.models.linear import (
     PackedEmbedding,
@@ -52,7 +52,7 @@ def hold_float32(model: nn.Module) -> None:
 
 
 def quantize_model(
-    model: nn.Module, fmt: str, ops: CpuOps | None, dtype: torch.dtype | None = None
+    model: nn.Module, fmt: str, ops: LinearOps | None, dtype: torch.dtype | None = None
 ) -> None:
     """Every linear layer and MoE expert of `model` in `fmt`, the embeddings and LM head in
     int8 (one copy when tied); `dtype`: what the embeddings give the layers (default: the
@@ -60,7 +60,7 @@ def quantize_model(
     check_quantization(fmt)
     if ops is None:
         raise ValueError(
-            f"quantization {fmt} needs Thermostat's CPU kernels (AVX-512 VNNI), which are off"
+            f"quantization {fmt} needs Thermostat's CPU kernels (AVX2 or AVX-512), which are off"
         )
     embed = getattr(model, "embed_tokens", None)
     head = getattr(model, "lm_head", None)

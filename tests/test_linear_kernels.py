@@ -1,0 +1,164 @@
+"""The compiled linear layers (bf16 VNNI packing, int8 / int4 blocks) of each kernel build this CPU
+can run (thermostat.kernels: the full AVX-512 one, the AVX2 one, which runs on AVX-512 machines
+too) against their PyTorch references: same results within the dtype's rounding, the same bits per
+row at any batch size, bad input refused."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from thermostat import kernels
+from thermostat.kernels.build import AVX2, FULL
+from thermostat.models.quant import quantize, reference_linear
+
+BUILDS = {"avx512": FULL, "avx2": AVX2}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(params=list(BUILDS))
+def ops(request) -> kernels.LinearOps:
+    built = kernels.build_ops(BUILDS[request.param])
+    if built is None:
+        pytest.skip(f"the {request.param} build does not run here ({kernels.status()})")
+    return built
+
+
+def test_a_build_runs_wherever_the_cpu_has_avx2():
+    """On a CPU with the instruction sets, a failed build is a bug, not a silent fallback."""
+    if kernels.unavailable_reason(AVX2) is None:
+        assert kernels.linear_ops() is not None, kernels.status()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 70])
+@pytest.mark.parametrize("k,n", [(576, 960), (33, 7), (1536, 130)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_vnni(ops, rows, k, n, bias):
+    """Any number of rows (AMX tiles where the CPU has them, else bf16 dot products or FMAs)."""
+    g = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    got = ops.linear_vnni(x, ops.pack_vnni(w), n, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+
+
+def batch_invariant(linear, x: torch.Tensor) -> None:
+    """Each row of `linear(x)` is the same bits computed alone, in any prefix of the batch."""
+    full = linear(x)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 31, 32, 33):
+        assert torch.equal(linear(x[:rows]), full[:rows]), rows
+    assert torch.equal(linear(x[5:6]), full[5:6])
+
+
+def test_linear_vnni_is_batch_invariant(ops):
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(200, 576, generator=g) * 0.05).bfloat16()
+    packed, b = ops.pack_vnni(w), torch.randn(200, generator=g).bfloat16()
+    batch_invariant(lambda x: ops.linear_vnni(x, packed, 200, b),
+                    torch.randn(70, 576, generator=g).bfloat16())  # fmt: skip
+
+
+def test_linear_vnni_refuses_bad_input(ops):
+    w = ops.pack_vnni(torch.randn(8, 64).bfloat16())
+    with pytest.raises(ValueError, match="M >= 1"):
+        ops.linear_vnni(torch.randn(0, 64).bfloat16(), w, 8, None)
+    with pytest.raises(ValueError, match="does not match"):
+        ops.linear_vnni(torch.randn(1, 12).bfloat16(), w, 8, None)
+    with pytest.raises(ValueError, match="x must be"):
+        ops.linear_vnni(torch.randn(1, 64), w, 8, None)
+    with pytest.raises(ValueError, match="pack_vnni"):
+        ops.linear_vnni(torch.randn(1, 64).bfloat16(), torch.randn(8, 64).bfloat16(), 8, None)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize(
+    "dtype,rows,k,n",
+    [
+        (torch.bfloat16, 1, 576, 960),
+        (torch.float32, 3, 100, 30),
+        (torch.float16, 6, 33, 7),
+        (torch.bfloat16, 37, 1536, 130),
+    ],
+)
+def test_linear_quant_matches_its_reference(ops, fmt, dtype, rows, k, n):
+    """The kernel computes quant.reference_linear's arithmetic (within the fused
+    multiply-adds' last bits and the output dtype's rounding) for every row count."""
+    g = torch.Generator().manual_seed(rows + k + n)
+    w = torch.randn(n, k, generator=g) * 0.05
+    qw = quantize(w, fmt)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g)
+    want = reference_linear(x.float(), qw, b)
+    got = ops.linear_quant(x, qw, b)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    torch.testing.assert_close(got.float(), want, atol=2 * TOL[dtype], rtol=TOL[dtype])
+    # and the float product, within the format's error (int4: a random weight's 16 levels)
+    exact = F.linear(x.float(), w, b)
+    error = ((got.float() - exact).norm() / exact.norm()).item()
+    assert error < (0.015 if fmt == "int8" else 0.1), error
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_linear_quant_is_batch_invariant(ops, fmt):
+    g = torch.Generator().manual_seed(4)
+    qw = quantize(torch.randn(200, 576, generator=g) * 0.05, fmt)
+    b = torch.randn(200, generator=g)
+    batch_invariant(lambda x: ops.linear_quant(x, qw, b),
+                    torch.randn(70, 576, generator=g).bfloat16())  # fmt: skip
+
+
+def test_linear_quant_refuses_bad_input(ops):
+    qw = quantize(torch.randn(8, 64), "int8")
+    with pytest.raises(ValueError, match="does not match"):
+        ops.linear_quant(torch.randn(1, 12), qw, None)
+    with pytest.raises(ValueError, match="bias"):
+        ops.linear_quant(torch.randn(1, 64), qw, torch.randn(3))
+    q4 = quantize(torch.randn(8, 64), "int4")
+    with pytest.raises(ValueError, match="packed int8"):
+        ops.linear_quant(torch.randn(1, 64), replace(q4, bits=8), None)
+    with pytest.raises(ValueError, match="bits must be 8 or 4"):
+        ops.linear_quant(torch.randn(1, 64), replace(q4, bits=5), None)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(7, 33), (130, 100), (300, 576)])
+def test_quant_rows_are_the_reference_rows(ops, fmt, dtype, n, k):
+    """The embedding lookup of a quantized table gives QuantizedWeight.rows' values exactly."""
+    qw = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(n)), fmt)
+    ids = torch.tensor([0, n - 1, n // 2, 0, 3 % n])
+    got = ops.quant_rows(qw, ids, dtype)
+    assert got.dtype == dtype and torch.equal(got, qw.rows(ids, dtype))
+    assert torch.equal(ops.quant_rows(qw, torch.arange(n), dtype), qw.rows(torch.arange(n), dtype))
+
+
+def test_quant_rows_refuses_bad_ids(ops):
+    qw = quantize(torch.randn(8, 64), "int8")
+    with pytest.raises(ValueError, match="id out of range"):
+        ops.quant_rows(qw, torch.tensor([8]), torch.bfloat16)
+    with pytest.raises(ValueError, match="id out of range"):
+        ops.quant_rows(qw, torch.tensor([-1]), torch.bfloat16)
+    with pytest.raises(ValueError, match="int64"):
+        ops.quant_rows(qw, torch.tensor([1], dtype=torch.int32), torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_both_builds_give_int_weights_the_same_bits(fmt):
+    """The integer sums are exact and the float step per block is the same fused multiply-add on
+    either build, so an AVX2 server and an AVX-512 one agree bit for bit (AVX-512 machines run
+    both)."""
+    full, avx2 = kernels.build_ops(FULL), kernels.build_ops(AVX2)
+    if full is None or avx2 is None:
+        pytest.skip(f"needs both builds ({kernels.status()})")
+    g = torch.Generator().manual_seed(9)
+    qw = quantize(torch.randn(200, 1000, generator=g) * 0.05, fmt)
+    b = torch.randn(200, generator=g)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.randn(9, 1000, generator=g).to(dtype)
+        assert torch.equal(full.linear_quant(x, qw, b), avx2.linear_quant(x, qw, b)), dtype
