@@ -6,19 +6,34 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from thermostat import kernels
+from thermostat.kernels.build import AVX2, FULL
 from thermostat.random_model import CONFIGS, write_model
 
-__all__ = ["CONFIGS", "hf_greedy", "hf_model", "write_model", "write_v3_with_next_n"]
+__all__ = ["BUILDS", "CONFIGS", "hf_greedy", "hf_model", "write_model", "write_v3_with_next_n"]
+
+BUILDS = {"avx512": FULL, "avx2": AVX2}  # the kernel builds (thermostat.kernels.build)
 
 # Every hypothesis test, whatever its own settings leave unsaid: an example's duration and the
 # time to generate data depend on what else the machine runs, so neither is checked.
 settings.register_profile("thermostat", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("thermostat")
+
+
+@pytest.fixture(params=list(BUILDS))
+def ops(request) -> kernels.CpuOps:
+    """Each kernel build this CPU runs (an AVX-512 machine runs the AVX2 build too), for tests
+    that hold the kernels to their references; skipped where the build cannot run."""
+    built = kernels.build_ops(BUILDS[request.param])
+    if built is None:
+        pytest.skip(f"the {request.param} build does not run here ({kernels.status()})")
+    return built
 
 
 def hf_model(path: Path):

@@ -157,7 +157,7 @@ def test_rss_stays_flat_over_the_battery(server):
         run_battery(server)
     gc.collect()
     baseline = rss_bytes()
-    run_battery(server, every=3)  # 300 refusals and answers: a leak per request shows
+    run_battery(server, every=4)  # 226 refusals and answers: a leak per request shows
     gc.collect()
     after = rss_bytes()
     mib = 2**20

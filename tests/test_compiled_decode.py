@@ -13,7 +13,11 @@ from thermostat import LLM, SamplingParams, kernels
 from thermostat.models.compiled_decode import compiled_decode
 from thermostat.models.layers import DecoderStack
 
-pytestmark = pytest.mark.skipif(kernels.ops() is None, reason=f"CPU kernels {kernels.status()}")
+_ops = kernels.ops()
+pytestmark = pytest.mark.skipif(
+    _ops is None or not _ops.has_decode_stack(),
+    reason=f"no DecodeStack: CPU kernels {kernels.status()}",
+)
 
 SHAPE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
 CASES = {  # name: (kind, overrides, quantization)

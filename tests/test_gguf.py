@@ -26,9 +26,7 @@ from thermostat.engine.loader import load_model, model_config_dict, resolve_mode
 from thermostat.random_model import write_model
 from thermostat.sampling import Policy
 
-pytestmark = pytest.mark.skipif(
-    kernels.linear_ops() is None, reason="int8 / int4 need the CPU kernels"
-)
+pytestmark = pytest.mark.skipif(kernels.ops() is None, reason="int8 / int4 need the CPU kernels")
 
 SMALL = {"enable_prefix_caching": False, "kv_cache_memory_gb": 0.02}  # a tiny model's cache
 GGUF_NAMES = {  # Hugging Face (without model.layers.N.) -> GGUF (without blk.N.)

@@ -1,5 +1,6 @@
-"""The compiled CPU kernels against the PyTorch paths they replace (which are themselves tested
-against transformers): same results within the dtype's rounding, and bad input is refused."""
+"""The compiled CPU kernels of each build this CPU runs (the `ops` fixture) against the PyTorch
+paths they replace (which are themselves tested against transformers): same results within the
+dtype's rounding, and bad input is refused."""
 
 from __future__ import annotations
 
@@ -13,9 +14,6 @@ from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import KVCacheSpec
 from thermostat.models.rope import apply_rotary
 
-ops = kernels.ops()
-pytestmark = pytest.mark.skipif(ops is None, reason=f"CPU kernels {kernels.status()}")
-
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -24,14 +22,14 @@ def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_kernels_build_where_the_cpu_allows():
+def test_kernels_build_where_the_cpu_allows(ops):
     """On a CPU with the instruction sets, a failed build is a bug, not a silent fallback."""
     if kernels.unavailable_reason() is None:
         assert kernels.ops() is not None, kernels.status()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_and_fused_add(dtype):
+def test_rms_norm_and_fused_add(ops, dtype):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(7, 576, generator=g).to(dtype)
     r = torch.randn(7, 576, generator=g).to(dtype)
@@ -46,7 +44,7 @@ def test_rms_norm_and_fused_add(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_in_place_on_a_strided_view(dtype):
+def test_rotary_in_place_on_a_strided_view(ops, dtype):
     g = torch.Generator().manual_seed(1)
     t, heads, d = 5, 4, 64
     qkv = torch.randn(t, heads * d + 32, generator=g).to(dtype)  # extra columns: a strided view
@@ -63,7 +61,7 @@ def test_rotary_in_place_on_a_strided_view(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul(dtype):
+def test_silu_mul(ops, dtype):
     gate_up = (torch.randn(5, 2 * 64, generator=torch.Generator().manual_seed(4)) * 6).to(dtype)
     gate, up = gate_up.float().split(64, dim=-1)
     close(ops.silu_mul(gate_up), F.silu(gate) * up, dtype)
@@ -114,7 +112,7 @@ def decode_meta(tables: list[list[int]], lens: list[int], block_size: int, windo
     ],
 )
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_attention_reads_blocks_in_place(kv_dtype, compute_dtype, window):
+def test_decode_attention_reads_blocks_in_place(ops, kv_dtype, compute_dtype, window):
     cache = filled_cache(kv_dtype, compute_dtype, with_ops=ops)
     # scattered, shared and partly filled blocks; GQA with 3 query heads per KV head
     tables = [[7, 2, 9], [0], [11, 3, 5, 1], [7, 2]]
@@ -135,7 +133,7 @@ def test_decode_attention_reads_blocks_in_place(kv_dtype, compute_dtype, window)
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("window", [None, 300])
-def test_long_contexts_split_into_chunks_and_stay_batch_invariant(kv_dtype, window):
+def test_long_contexts_split_into_chunks_and_stay_batch_invariant(ops, kv_dtype, window):
     """Contexts over 256 tokens are attended in chunks whose partial softmaxes are merged: the
     result matches the reference at every length around a chunk edge, and each row alone is the
     same bits as in the batch."""
@@ -169,7 +167,7 @@ def _as_float(cache: PagedKVCache) -> PagedKVCache:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_write_kv_matches_index_copy(dtype):
+def test_write_kv_matches_index_copy(ops, dtype):
     """The kernel's cache write equals the PyTorch path's, from strided views of a qkv output."""
     qkv = torch.randn(3, 6 * 64, generator=torch.Generator().manual_seed(5)).to(dtype)
     k, v = qkv[:, 128:].view(3, 2, 2, 64).unbind(1)
@@ -184,7 +182,7 @@ def test_write_kv_matches_index_copy(dtype):
         ops.write_kv(*ours.layer_storage(0)[:2], k, v, torch.tensor([5, 0, 99]))
 
 
-def test_decode_attention_refuses_bad_tables():
+def test_decode_attention_refuses_bad_tables(ops):
     cache = filled_cache(torch.float32, torch.float32)
     q = torch.randn(1, 6, 64)
     storage = cache.layer_storage(0)

@@ -1,5 +1,5 @@
 """The compiled linear layers (bf16 VNNI packing, int8 / int4 blocks) of each kernel build this CPU
-can run (thermostat.kernels: the full AVX-512 one, the AVX2 one, which runs on AVX-512 machines
+can run (the `ops` fixture: the full AVX-512 one, the AVX2 one, which runs on AVX-512 machines
 too) against their PyTorch references: same results within the dtype's rounding, the same bits per
 row at any batch size, bad input refused."""
 
@@ -15,22 +15,7 @@ from thermostat import kernels
 from thermostat.kernels.build import AVX2, FULL
 from thermostat.models.quant import quantize, reference_linear
 
-BUILDS = {"avx512": FULL, "avx2": AVX2}
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
-
-
-@pytest.fixture(params=list(BUILDS))
-def ops(request) -> kernels.LinearOps:
-    built = kernels.build_ops(BUILDS[request.param])
-    if built is None:
-        pytest.skip(f"the {request.param} build does not run here ({kernels.status()})")
-    return built
-
-
-def test_a_build_runs_wherever_the_cpu_has_avx2():
-    """On a CPU with the instruction sets, a failed build is a bug, not a silent fallback."""
-    if kernels.unavailable_reason(AVX2) is None:
-        assert kernels.linear_ops() is not None, kernels.status()
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17, 70])

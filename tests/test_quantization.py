@@ -20,9 +20,7 @@ from thermostat.models.quant import (
 )
 from thermostat.random_model import SMOLLM2_135M, write_model
 
-needs_kernels = pytest.mark.skipif(
-    kernels.linear_ops() is None, reason=f"CPU kernels {kernels.status()}"
-)
+needs_kernels = pytest.mark.skipif(kernels.ops() is None, reason=f"CPU kernels {kernels.status()}")
 
 PROMPTS = [f"w{i} w{i + 7} w{3 * i + 1} hello world number {i}" for i in range(8)]
 DEMO_PROMPTS = [

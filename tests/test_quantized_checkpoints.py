@@ -24,9 +24,7 @@ from thermostat.models.int_packing import AWQ_ORDER, unpack_int32
 from thermostat.models.quant import grid_step, quantize, reference_linear
 from thermostat.random_model import write_model
 
-pytestmark = pytest.mark.skipif(
-    kernels.linear_ops() is None, reason="int8 / int4 need the CPU kernels"
-)
+pytestmark = pytest.mark.skipif(kernels.ops() is None, reason="int8 / int4 need the CPU kernels")
 
 SMALL = {"enable_prefix_caching": False, "kv_cache_memory_gb": 0.02}  # a tiny model's cache
 
@@ -360,7 +358,7 @@ def test_per_channel_int8_grid_is_found_and_minus_128_runs_in_the_kernel():
     qw = quantize(w, "int8")
     assert torch.equal(qw.dequantize(), w)
     x = torch.randn(5, 96, generator=g)
-    ops = kernels.linear_ops()
+    ops = kernels.ops()
     assert ops is not None
     got = ops.linear_quant(x, qw, None)
     torch.testing.assert_close(got, reference_linear(x, qw), atol=1e-4, rtol=1e-4)

@@ -171,8 +171,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, config)
     limit = min(max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
     ops = kernels.ops() if cpu_kernels else None
-    linear_ops = kernels.linear_ops() if cpu_kernels else None
-    fmt = quantization or (checkpoint.serve_as if linear_ops is not None else None)
+    fmt = quantization or (checkpoint.serve_as if ops is not None else None)
     if checkpoint.serve_as and fmt is None:
         log.warning(
             "%s holds %s weights, served dequantized in %s: int8 / int4 need the CPU kernels",
@@ -180,7 +179,7 @@ def load_model(
             checkpoint.source,
             str(torch_dtype).removeprefix("torch."),
         )
-    net = model_cls(arch, config, torch_dtype, max_positions=limit, ops=ops, linear_ops=linear_ops)
+    net = model_cls(arch, config, torch_dtype, max_positions=limit, ops=ops)
     if fmt is not None and checkpoint.serve_as is not None:
         hold_float32(cast(nn.Module, net))  # the checkpoint's grid, exactly, until quantized
     try:
@@ -190,7 +189,7 @@ def load_model(
     if fmt is not None:
         try:
             with progress_note(f"quantizing the weights to {fmt}"):
-                quantize_model(cast(nn.Module, net), fmt, linear_ops, torch_dtype)
+                quantize_model(cast(nn.Module, net), fmt, ops, torch_dtype)
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from exc
     try:

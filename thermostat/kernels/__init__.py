@@ -1,11 +1,10 @@
 """Thermostat's CPU kernels (cpu_kernels.cpp), compiled for this machine.
 
-Two builds (`build.py`): on a CPU with AVX-512 BF16/VNNI every kernel (cpu_kernels.cpp); on one
-with AVX2 only (AMD Zen 2/3, Intel before Ice Lake) the linear layers (avx2_kernels.cpp: bf16,
-int8, int4), the rest of a step in PyTorch. `ops()` is a `CpuOps` of typed calls into the full
-module, or None where it cannot run here; `linear_ops()` the `LinearOps` of whichever build runs
-here (the full one's where it does), or None (no AVX2, no C++ compiler, THERMOSTAT_KERNELS=0 in the
-environment). The loader calls both once (`load_model(cpu_kernels=...)`) and hands the results to
+Two builds (`build.py`): on a CPU with AVX-512 BF16/VNNI cpu_kernels.cpp; on one with AVX2 only
+(AMD Zen 2/3, Intel before Ice Lake) avx2_kernels.cpp, the same ops in 8-float registers but
+DecodeStack (its model runs layer by layer). `ops()` is a `CpuOps` of typed calls into the build
+that runs here, or None where none can (no AVX2, no C++ compiler, THERMOSTAT_KERNELS=0 in the
+environment). The loader calls it once (`load_model(cpu_kernels=...)`) and hands the result to
 the model and the KV cache. The module is built by `python -m thermostat.kernels` (which
 tools/setup.sh runs) and cached per source, torch, Python, flags and CPU (`build.py`), so a server
 start only imports it; why the kernels are off is logged once.
@@ -25,7 +24,8 @@ that make the choice; forward code calls the function chosen:
 | linear_quant           | linear.QuantLinear (quant.py)  | int8 / int4 weights (every batch size) |
 | quant_rows             | linear.QuantEmbedding          | int8 / int4 embeddings                 |
 
-The last four (`LinearOps`) are in both builds; the AVX2 build has only those.
+Both builds have every op of the table (the linear layers: `LinearOps`); DecodeStack
+(compiled_decode.py) only the AVX-512 one.
 | write_kv               | kv_cache.PagedKVCache.__init__ | key/value stored in the compute dtype  |
 | decode_attention       | kv_cache.PagedKVCache.__init__ | key/value in fp8 or the compute dtype, |
 |                        |                                | head_dim % 16 == 0 and <= 256          |
@@ -63,8 +63,8 @@ log = logging.getLogger("thermostat.kernels")
 
 @dataclass(frozen=True)
 class LinearOps:
-    """Typed calls into a compiled module's linear layers (both builds have them). Every op
-    checks its input and raises ValueError on a mismatch."""
+    """Typed calls into a compiled module's linear layers. Every op checks its input and raises
+    ValueError on a mismatch."""
 
     module: ModuleType
 
@@ -113,8 +113,12 @@ class LinearOps:
 
 @dataclass(frozen=True)
 class CpuOps(LinearOps):
-    """The full build's calls: the linear layers and the decode step's other ops. Float ops take
+    """A build's calls: the linear layers and the decode step's other ops. Float ops take
     float32, bfloat16 or float16 (one dtype for all their tensors) and compute in float32."""
+
+    def has_decode_stack(self) -> bool:
+        """Whether the build has DecodeStack (thermostat.models.compiled_decode): the full one."""
+        return hasattr(self.module, "DecodeStack")
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [N, dim] (unit stride along dim, dim % 16 == 0), weight [dim] -> [N, dim]."""
@@ -180,35 +184,31 @@ _lock = threading.Lock()
 
 
 def ops() -> CpuOps | None:
-    """The full build's kernels, or None (the reason is logged once and kept in `status()`)."""
-    with _lock:
-        module = _load(FULL)
-    return None if module is None else CpuOps(module)
+    """The kernels of the build that runs here (the full one, else the AVX2 one), or None (the
+    reason is logged once and kept in `status()`)."""
+    for build in (FULL, AVX2):
+        built = build_ops(build)
+        if built is not None:
+            return built
+    return None
 
 
-def linear_ops() -> LinearOps | None:
-    """The linear layers of the build that runs here: the full one's, else the AVX2 one's, else
-    None."""
-    full = ops()
-    return full if full is not None else build_ops(AVX2)
-
-
-def build_ops(build: Build) -> LinearOps | None:
-    """`build`'s linear layers wherever this CPU can run it, or None: the AVX2 build runs on the
+def build_ops(build: Build) -> CpuOps | None:
+    """`build`'s kernels wherever this CPU can run it, or None: the AVX2 build runs on the
     AVX-512 machines too, where tests hold both builds to the same references."""
     with _lock:
         module = _load(build)
-    return None if module is None else LinearOps(module)
+    return None if module is None else CpuOps(module)
 
 
 def status() -> str:
     """One line for startup logs and bench reports."""
-    full = ops()
-    if full is not None:
-        return "on (AMX)" if full.uses_amx() else "on (no AMX)"
-    if linear_ops() is not None:
-        return f"linear layers only (AVX2; {_reasons[FULL]})"
-    return f"off ({_reasons[FULL]})"
+    compiled = ops()
+    if compiled is None:
+        return f"off ({_reasons[AVX2]})"
+    if not compiled.has_decode_stack():
+        return f"on (AVX2: {_reasons[FULL]})"
+    return "on (AMX)" if compiled.uses_amx() else "on (no AMX)"
 
 
 _reasons: dict[Build, str] = {}  # why a build is off, once tried
@@ -221,7 +221,7 @@ def _load(build: Build) -> ModuleType | None:
     if module is None:
         assert reason is not None
         _reasons[build] = reason
-        log.warning("CPU kernels %s off (%s)", build.what, reason)
+        log.info("CPU kernels %s off (%s)", build.what, reason)
     else:
         log.info("CPU kernels %s ready", build.what)
     return module

@@ -22,7 +22,7 @@ from thermostat.kernels.build import (
 def main() -> int:
     build, reason = FULL, unavailable_reason(FULL)
     if reason and unavailable_reason(AVX2) is None:
-        build, which = AVX2, f"CPU kernels (linear layers only, AVX2; the full build: {reason})"
+        build, which = AVX2, f"CPU kernels (AVX2: {reason})"
     elif reason:
         print(f"CPU kernels off: {reason}")
         return 0

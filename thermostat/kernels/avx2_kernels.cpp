@@ -1,7 +1,10 @@
-// Thermostat's linear layers for CPUs with AVX2 but not AVX-512 BF16/VNNI (AMD Zen 2/3, Intel
-// before Ice Lake): the bf16, int8 and 4-bit weight layouts of common.h, read by AVX2 + FMA code.
-// The rest of a step (norms, rotary, attention) runs in PyTorch on these CPUs.
+// Thermostat's CPU kernels for CPUs with AVX2 but not AVX-512 BF16/VNNI (AMD Zen 2/3, Intel
+// before Ice Lake): the ops of cpu_kernels.cpp but its DecodeStack, in 8-float registers, on the
+// same layouts (common.h). The ops and their contracts are cpu_kernels.cpp's:
 //
+//   rms_norm, add_rms_norm, rotary_, silu_mul   as there (fp32 math, one rounding)
+//   write_kv                 common.h's
+//   decode_attention         the same chunks of kChunkTokens merged in order (common.h's plan)
 //   pack_vnni / linear_vnni  y = x W^T + b in bf16 (the same packing as the AVX-512 build)
 //   linear_quant             y = x W^T + b with int8 / 4-bit weights, activations per q8_0 block
 //   quant_rows               rows of a quantized weight (an embedding lookup), common.h's
@@ -17,7 +20,10 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -47,6 +53,341 @@ inline int32_t hsum(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
+constexpr int64_t kLanes = 8;  // floats per 256-bit register
+
+// How far ahead the linears prefetch their weight stream. A step's linears are small (0.1-2 MB
+// each) and read from memory (the model is larger than L3): with the hardware prefetchers alone
+// (AMD Zen 3, 2 threads) 120 SmolLM2-135M-shaped linears streamed at 14.6 GB/s in bf16 and
+// 8.7 GB/s in int8; these distances (the best of 1-8 KiB) gave 18.8 and 10.8 GB/s.
+constexpr int64_t kPrefetchBf16 = 2048, kPrefetchQuant = 4096;
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+inline void store8(c10::BFloat16* p, __m256 v) {
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, v);
+  for (int i = 0; i < 8; ++i) p[i] = c10::BFloat16(tmp[i]);  // nearest even, as torch rounds
+}
+
+inline void store8(c10::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// float8_e4m3fn bytes: sign to bit 15, exponent and mantissa to bits 7..14 give the float16 of
+// the value times 2^-8 (as cpu_kernels.cpp's load16).
+inline __m256 load8(const uint8_t* p) {
+  __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+  __m128i rest = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
+  return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, rest)), _mm256_set1_ps(256.0f));
+}
+
+inline float hadd(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+// exp(x) as cpu_kernels.cpp's exp_ps (the same polynomial), with 2^n built in the exponent bits:
+// inputs are clamped to [-87, 88.8] (below, exp is under float's normal range; the result is
+// then ~1e-38 instead of a subnormal or 0, where every use here adds it to 1 or a larger sum).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.8f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.525273380405984e-05f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.540353039338161e-04f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.333355814642844e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-02f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));  // n = 128 (x > 88.7): inf, as expf
+}
+
+// s[0, n) <- exp(s - max s), in place; returns (max s, sum of the exps).
+inline std::pair<float, float> exp_shifted(float* s, int64_t n) {
+  float top = -std::numeric_limits<float>::infinity();
+  __m256 mx = _mm256_set1_ps(top);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + i));
+  top = hmax(mx);
+  for (int64_t j = i; j < n; ++j) top = std::max(top, s[j]);
+  __m256 sum = _mm256_setzero_ps();
+  for (i = 0; i + kLanes <= n; i += kLanes) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(top)));
+    sum = _mm256_add_ps(sum, e);
+    _mm256_storeu_ps(s + i, e);
+  }
+  if (i < n) {  // the tail through a padded register (-inf: exp 0)
+    alignas(32) float tail[8];
+    for (int j = 0; j < 8; ++j) tail[j] = i + j < n ? s[i + j] : -std::numeric_limits<float>::infinity();
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(tail), _mm256_set1_ps(top)));
+    _mm256_store_ps(tail, _mm256_and_ps(e, _mm256_cmp_ps(_mm256_load_ps(tail), _mm256_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ)));
+    sum = _mm256_add_ps(sum, _mm256_load_ps(tail));
+    for (int64_t j = i; j < n; ++j) s[j] = tail[j - i];
+  }
+  return {top, hadd(sum)};
+}
+
+// ---------------------------------------------------------------- RMSNorm
+
+template <typename T>
+void rms_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __m256 v = load8(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / std::sqrt(hadd(acc) / n + eps));
+  for (int64_t i = 0; i < n; i += kLanes) {
+    store8(out + i, _mm256_mul_ps(_mm256_mul_ps(load8(x + i), inv), load8(w + i)));
+  }
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, "rms_norm x");
+  TORCH_CHECK_VALUE(weight.is_contiguous() && weight.numel() == x.size(1) &&
+                        weight.scalar_type() == x.scalar_type(),
+                    "rms_norm: weight must be [dim] of x's dtype");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  const int64_t n = x.size(1);
+  THERMOSTAT_DISPATCH_FLOAT(x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t stride = x.stride(0);
+    at::parallel_for(0, x.size(0), 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) rms_row(xp + r * stride, wp, op + r * n, n, (float)eps);
+    });
+  });
+  return out;
+}
+
+// residual <- residual + x (rounded to the dtype, as `residual + x` in torch); returns
+// rms_norm(residual) * weight.
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                           double eps) {
+  check_rows(x, "add_rms_norm x");
+  check_rows(residual, "add_rms_norm residual");
+  TORCH_CHECK_VALUE(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type() &&
+                        residual.is_contiguous(),
+                    "add_rms_norm: x and residual must match, residual contiguous");
+  TORCH_CHECK_VALUE(weight.is_contiguous() && weight.numel() == x.size(1) &&
+                        weight.scalar_type() == x.scalar_type(),
+                    "add_rms_norm: weight must be [dim] of x's dtype");
+  auto out = torch::empty_like(residual);
+  const int64_t n = x.size(1);
+  THERMOSTAT_DISPATCH_FLOAT(x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t stride = x.stride(0);
+    at::parallel_for(0, x.size(0), 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        scalar_t* res = rp + r * n;
+        for (int64_t i = 0; i < n; i += kLanes) {
+          store8(res + i, _mm256_add_ps(load8(res + i), load8(xp + r * stride + i)));
+        }
+        rms_row(res, wp, op + r * n, n, (float)eps);
+      }
+    });
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------- rotary
+
+// x: [T, H, D] (rows and heads may be strided, D contiguous); cos, sin: [T, D] contiguous.
+void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK_VALUE(x.dim() == 3 && x.stride(2) == 1, "rotary: x must be [T, H, D], D contiguous");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK_VALUE(half % 16 == 0, "rotary: head_dim must be a multiple of 32");
+  TORCH_CHECK_VALUE(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == T &&
+                        cos.size(-1) == D && cos.numel() == T * D && sin.sizes() == cos.sizes() &&
+                        cos.scalar_type() == x.scalar_type() &&
+                        sin.scalar_type() == x.scalar_type(),
+                    "rotary: cos/sin must be [T, D] of x's dtype");
+  THERMOSTAT_DISPATCH_FLOAT(x.scalar_type(), "rotary", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    const int64_t st = x.stride(0), sh = x.stride(1);
+    at::parallel_for(0, T * H, 64, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t t = i / H, h = i % H;
+        scalar_t* v = xp + t * st + h * sh;
+        const scalar_t *c = cp + t * D, *s = sp + t * D;
+        for (int64_t j = 0; j < half; j += kLanes) {
+          const __m256 a = load8(v + j), bb = load8(v + half + j);
+          const __m256 lo = _mm256_fmsub_ps(a, load8(c + j), _mm256_mul_ps(bb, load8(s + j)));
+          const __m256 hi = _mm256_fmadd_ps(bb, load8(c + half + j), _mm256_mul_ps(a, load8(s + half + j)));
+          store8(v + j, lo);
+          store8(v + half + j, hi);
+        }
+      }
+    });
+  });
+}
+
+// ---------------------------------------------------------------- SwiGLU activation
+
+// gate_up: [T, 2I] (gate columns first) -> silu(gate) * up [T, I], in fp32, rounded once.
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "silu_mul gate_up");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK_VALUE(I % 16 == 0, "silu_mul: intermediate size must be a multiple of 16");
+  auto out = torch::empty({T, I}, gate_up.options());
+  THERMOSTAT_DISPATCH_FLOAT(gate_up.scalar_type(), "silu_mul", [&] {
+    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t stride = gate_up.stride(0);
+    at::parallel_for(0, T * (I / kLanes), 1024, [&](int64_t b, int64_t e) {
+      for (int64_t c = b; c < e; ++c) {
+        const int64_t t = c / (I / kLanes), i = (c % (I / kLanes)) * kLanes;
+        const __m256 g = load8(gp + t * stride + i), u = load8(gp + t * stride + I + i);
+        const __m256 sig = _mm256_div_ps(
+            _mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        store8(op + t * I + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), u));
+      }
+    });
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------- paged decode attention
+
+// Item `item` of the plan (row, KV head, chunk): for each query head of the KV head's group the
+// chunk's max score m, l = sum exp(s - m) and sum exp(s - m) v (a row of one chunk: normalized
+// and written out), as cpu_kernels.cpp's attend_chunk.
+template <typename T, typename C>
+void attend_chunk(const AttentionArgs<T, C>& a, AttentionPlan& plan, int64_t item,
+                  std::vector<float>& scores, std::vector<__m256>& qv, std::vector<__m256>& acc) {
+  const int64_t group = a.Hq / a.Hkv, D = a.D, dv = D / kLanes, Hkv = a.Hkv, bs = a.block_size;
+  const int64_t b = std::upper_bound(plan.first.begin(), plan.first.end(), item) - plan.first.begin() - 1;
+  const int64_t chunks = (plan.first[b + 1] - plan.first[b]) / Hkv;
+  const int64_t h = (item - plan.first[b]) / chunks, c = (item - plan.first[b]) % chunks;
+  const int64_t len = a.lens[b];
+  const int64_t begin = (a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0) + c * kChunkTokens;
+  const int64_t n = std::min(kChunkTokens, len - begin);
+  qv.resize(group * dv);
+  acc.resize(group * dv);
+  scores.resize(group * kChunkTokens);
+  for (int64_t g = 0; g < group; ++g) {
+    const T* qrow = a.q + b * a.q_row + (h * group + g) * a.q_head;
+    for (int64_t d = 0; d < dv; ++d) qv[g * dv + d] = _mm256_mul_ps(load8(qrow + d * kLanes), _mm256_set1_ps(a.scale));
+  }
+  auto row_of = [&](const C* base, int64_t i) {
+    const int64_t t = begin + i;
+    return base + ((a.tables[b * a.nb + t / bs] * bs + t % bs) * Hkv + h) * D;
+  };
+  auto scale_of = [&](const float* scales, int64_t i) {
+    const int64_t t = begin + i;
+    return scales ? scales[(a.tables[b * a.nb + t / bs] * bs + t % bs) * Hkv + h] : 1.0f;
+  };
+  __m256 reg[32];
+  for (int64_t i = 0; i < n; ++i) {
+    const C* row = row_of(a.keys, i);
+    for (int64_t d = 0; d < dv; ++d) reg[d] = load8(row + d * kLanes);
+    const float ks = scale_of(a.key_scales, i);
+    for (int64_t g = 0; g < group; ++g) {
+      __m256 dot = _mm256_mul_ps(qv[g * dv], reg[0]);
+      for (int64_t d = 1; d < dv; ++d) dot = _mm256_fmadd_ps(qv[g * dv + d], reg[d], dot);
+      scores[g * kChunkTokens + i] = hadd(dot) * ks;
+    }
+  }
+  float* part = plan.parts.data() + item * group * (D + 2);  // [g][m, l, acc...]
+  for (int64_t g = 0; g < group; ++g) {
+    const auto [m, l] = exp_shifted(scores.data() + g * kChunkTokens, n);
+    part[g * (D + 2)] = m;
+    part[g * (D + 2) + 1] = l;
+    for (int64_t d = 0; d < dv; ++d) acc[g * dv + d] = _mm256_setzero_ps();
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const C* row = row_of(a.values, i);
+    for (int64_t d = 0; d < dv; ++d) reg[d] = load8(row + d * kLanes);
+    const float vs = scale_of(a.value_scales, i);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m256 p = _mm256_set1_ps(scores[g * kChunkTokens + i] * vs);
+      for (int64_t d = 0; d < dv; ++d) acc[g * dv + d] = _mm256_fmadd_ps(p, reg[d], acc[g * dv + d]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    if (chunks == 1) {
+      const __m256 inv = _mm256_set1_ps(1.0f / part[g * (D + 2) + 1]);
+      T* orow = a.out + (b * a.Hq + h * group + g) * D;
+      for (int64_t d = 0; d < dv; ++d) store8(orow + d * kLanes, _mm256_mul_ps(acc[g * dv + d], inv));
+    } else {
+      for (int64_t d = 0; d < dv; ++d) _mm256_storeu_ps(part + g * (D + 2) + 2 + d * kLanes, acc[g * dv + d]);
+    }
+  }
+}
+
+// Output row (row b, query head qh) of a row of several chunks: merged in chunk order.
+template <typename T, typename C>
+void merge_chunks(const AttentionArgs<T, C>& a, const AttentionPlan& plan, int64_t b, int64_t qh) {
+  const int64_t group = a.Hq / a.Hkv, D = a.D, dv = D / kLanes, stride = group * (D + 2);
+  const int64_t chunks = (plan.first[b + 1] - plan.first[b]) / a.Hkv;
+  if (chunks == 1) return;  // attend_chunk wrote it
+  const float* part = plan.parts.data() + (plan.first[b] + (qh / group) * chunks) * stride +
+                      (qh % group) * (D + 2);
+  float top = part[0];
+  for (int64_t c = 1; c < chunks; ++c) top = std::max(top, part[c * stride]);
+  __m256 acc[32];
+  for (int64_t d = 0; d < dv; ++d) acc[d] = _mm256_setzero_ps();
+  float l = 0.0f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float* p = part + c * stride;
+    const float w = std::exp(p[0] - top);
+    l += w * p[1];
+    for (int64_t d = 0; d < dv; ++d) {
+      acc[d] = _mm256_fmadd_ps(_mm256_set1_ps(w), _mm256_loadu_ps(p + 2 + d * kLanes), acc[d]);
+    }
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / l);
+  T* orow = a.out + (b * a.Hq + qh) * D;
+  for (int64_t d = 0; d < dv; ++d) store8(orow + d * kLanes, _mm256_mul_ps(acc[d], inv));
+}
+
+template <typename T, typename C>
+void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cache,
+                           const torch::Tensor& value_cache, const torch::Tensor& key_scale,
+                           const torch::Tensor& value_scale, const torch::Tensor& block_tables,
+                           const torch::Tensor& context_lens, double scale, int64_t window,
+                           torch::Tensor& out) {
+  const auto args = attention_args<T, C>(q, key_cache, value_cache, key_scale, value_scale,
+                                         block_tables, context_lens, scale, window, out);
+  const int64_t B = q.size(0);
+  AttentionPlan plan(args.lens, B, args.Hkv, args.Hq / args.Hkv, args.D, window);
+  at::parallel_for(0, plan.items(), 1, [&](int64_t b, int64_t e) {
+    std::vector<float> scores;
+    std::vector<__m256> qv, acc;
+    for (int64_t item = b; item < e; ++item) attend_chunk(args, plan, item, scores, qv, acc);
+  });
+  if (!plan.merge) return;
+  at::parallel_for(0, B * args.Hq, 16, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) merge_chunks(args, plan, i / args.Hq, i % args.Hq);
+  });
+}
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+                               torch::Tensor key_scale, torch::Tensor value_scale,
+                               torch::Tensor block_tables, torch::Tensor context_lens,
+                               double scale, int64_t window) {
+  return decode_attention_checked(
+      q, key_cache, value_cache, key_scale, value_scale, block_tables, context_lens,
+      [&](auto t, auto c, const torch::Tensor& ks, const torch::Tensor& vs, torch::Tensor& out) {
+        decode_attention_impl<decltype(t), decltype(c)>(q, key_cache, value_cache, ks, vs,
+                                                        block_tables, context_lens, scale, window,
+                                                        out);
+      });
+}
+
 // ---------------------------------------------------------------- bf16 linear
 //
 // Per output one float32 accumulator over K pairs in order: a 32-bit element of the packing
@@ -61,9 +402,11 @@ inline void bf16_tile(const uint16_t* x, int64_t Kp, const uint16_t* W, int64_t 
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   const uint16_t* wb = W + nb * KS * 512;
+  const int64_t pf = R == 1 ? kPrefetchBf16 : 0;  // a tile of more rows reads slower than memory
   for (int64_t ks = 0; ks < KS; ++ks) {
     for (int kp = 0; kp < 16; ++kp) {
       const uint16_t* p = wb + (ks * 16 + kp) * 32;
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(p) + pf, _MM_HINT_T0);
       __m256 even[2], odd[2];
       for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * h));
@@ -245,6 +588,9 @@ void quant_group(const QuantizedActivations& a, int64_t M, const uint8_t* W, int
   float* sp = sums.data();
   for (int64_t kb = 0; kb < KB; ++kb) {
     const uint8_t* rec = W + (g * KB + kb) * record;
+    for (int64_t off = 0; off < record; off += 64) {  // (past the tensor's end: no fault)
+      _mm_prefetch(reinterpret_cast<const char*>(rec) + kPrefetchQuant + off, _MM_HINT_T0);
+    }
     for (int c = c0; c < c0 + C; ++c) {
       int64_t m = 0;
       for (; m + 4 <= M; m += 4) quant_block<BITS, 4>(a, rec, KB, kb, m, c, sp);
@@ -322,6 +668,13 @@ bool uses_amx() { return false; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim of [rows, dim]", nogil);
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual)", nogil);
+  m.def("rotary_", &rotary_, "in-place rotary embedding (half-split layout)", nogil);
+  m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate_up projection", nogil);
+  m.def("write_kv", &write_kv, "store new tokens' K/V into their cache slots", nogil);
+  m.def("decode_attention", &decode_attention, "paged attention of one query token per sequence",
+        nogil);
   m.def("pack_vnni", &pack_vnni, "bf16 weight [N, K] -> the layout linear_vnni reads", nogil);
   m.def("linear_vnni", &linear_vnni, "x W^T + b for bf16 rows, the same bits per row at any M",
         nogil);

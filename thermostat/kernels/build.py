@@ -1,5 +1,6 @@
 """Building the kernels for this machine, cached per distinct build: cpu_kernels.cpp (`FULL`:
-AVX-512 BF16/VNNI) or, on a CPU with AVX2 only, avx2_kernels.cpp (`AVX2`: the linear layers).
+AVX-512 BF16/VNNI) or, on a CPU with AVX2 only, avx2_kernels.cpp (`AVX2`: the same ops but
+DecodeStack).
 
 Everything that changes the binary is hashed into one key, and each key has its own directory
 under `cache_root()` ($THERMOSTAT_KERNEL_CACHE, else ~/.cache/thermostat/kernels):
@@ -50,19 +51,19 @@ class Build:
         return self.source.read_bytes() + b"\0" + (HERE / "common.h").read_bytes()
 
 
-# Every kernel: the decode step's ops and the linear layers, AVX-512 BF16/VNNI (AMX where present).
+# Every kernel, DecodeStack included: AVX-512 BF16/VNNI (AMX where present).
 FULL = Build(
     "thermostat_cpu_kernels",
     HERE / "cpu_kernels.cpp",
     ("avx2", "f16c", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"),
     "(AVX-512, every op)",
 )
-# The linear layers only (bf16, int8, int4), for CPUs with AVX2 but not FULL's instruction sets.
+# The same ops but DecodeStack, for CPUs with AVX2 but not FULL's instruction sets.
 AVX2 = Build(
     "thermostat_avx2_kernels",
     HERE / "avx2_kernels.cpp",
     ("avx2", "f16c", "fma"),
-    "(AVX2, the linear layers)",
+    "(AVX2, no DecodeStack)",
 )
 
 

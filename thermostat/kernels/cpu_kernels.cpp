@@ -136,12 +136,6 @@ inline std::pair<float, float> exp_shifted(float* s, int64_t n) {
   return {top, _mm512_reduce_add_ps(sum)};
 }
 
-
-void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, dim] with unit stride");
-  TORCH_CHECK_VALUE(t.size(1) % kLanes == 0, name, ": dim must be a multiple of 16");
-}
-
 // ---------------------------------------------------------------- RMSNorm
 
 template <typename T>
@@ -285,53 +279,9 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
-// ---------------------------------------------------------------- KV cache write
-
-void check_slots(const torch::Tensor& slots, int64_t T, int64_t num_slots) {
-  TORCH_CHECK_VALUE(slots.dim() == 1 && slots.size(0) == T && slots.is_contiguous() &&
-                        slots.scalar_type() == at::kLong,
-                    "write_kv: slots must be [T] int64");
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK_VALUE(sp[t] >= 0 && sp[t] < num_slots, "write_kv: slot out of range");
-  }
-}
-
-// key/value [T, Hkv, D] (views of the qkv output: D contiguous) into cache slots [T] of caches
-// [num_blocks, block_size, Hkv, D] of the same dtype.
-void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor key,
-              torch::Tensor value, torch::Tensor slots) {
-  TORCH_CHECK_VALUE(key_cache.dim() == 4 && key_cache.is_contiguous() &&
-                        value_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes(),
-                    "write_kv: caches must be [blocks, block_size, Hkv, D], contiguous");
-  const int64_t T = key.size(0), Hkv = key_cache.size(2), D = key_cache.size(3);
-  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
-  TORCH_CHECK_VALUE(key.dim() == 3 && value.dim() == 3 && key.size(1) == Hkv &&
-                        key.size(2) == D && value.sizes() == key.sizes() && key.stride(2) == 1 &&
-                        value.stride(2) == 1,
-                    "write_kv: key/value must be [T, Hkv, D] with D contiguous");
-  TORCH_CHECK_VALUE(key.scalar_type() == key_cache.scalar_type() &&
-                        value.scalar_type() == key_cache.scalar_type() &&
-                        value_cache.scalar_type() == key_cache.scalar_type(),
-                    "write_kv: dtypes must match the cache");
-  check_slots(slots, T, num_slots);
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t item = key.element_size() * D;
-  char* kc = static_cast<char*>(key_cache.data_ptr());
-  char* vc = static_cast<char*>(value_cache.data_ptr());
-  const char* kp = static_cast<const char*>(key.data_ptr());
-  const char* vp = static_cast<const char*>(value.data_ptr());
-  const int64_t es = key.element_size();
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const int64_t dst = (sp[t] * Hkv + h) * item;
-      std::memcpy(kc + dst, kp + (t * key.stride(0) + h * key.stride(1)) * es, item);
-      std::memcpy(vc + dst, vp + (t * value.stride(0) + h * value.stride(1)) * es, item);
-    }
-  }
-}
-
 // ---------------------------------------------------------------- paged decode attention
+//
+// write_kv, the attention plan (chunks of kChunkTokens, merged in order) and the checks: common.h.
 
 constexpr int64_t kAheadTokens = 8;  // decode attention prefetches the K/V row this far ahead
 
@@ -342,45 +292,6 @@ inline void prefetch_row(const C* base, int64_t slot, int64_t Hkv, int64_t h, in
     _mm_prefetch(row + off, _MM_HINT_T0);
   }
 }
-
-// Decode attention splits each row's context (its window) into chunks of kChunkTokens: the items
-// (row, KV head, chunk) spread over the threads evenly even for one row of a few KV heads, and
-// the chunks' partial softmaxes are merged in chunk order. The split depends on the row's own
-// context length only, so a row's result is the same bits whatever it is batched with.
-constexpr int64_t kChunkTokens = 256;
-
-// One decode attention call's inputs as raw pointers.
-template <typename T, typename C>
-struct AttentionArgs {
-  const T* q;
-  int64_t q_row, q_head;  // q's strides
-  const C *keys, *values;
-  const float *key_scales, *value_scales;  // fp8 token scales, or null
-  const int64_t *tables, *lens;
-  int64_t Hq, Hkv, D, block_size, nb, window;
-  float scale;
-  T* out;  // [B, Hq, D]
-};
-
-// The call's items, and room for their partial results.
-struct AttentionPlan {
-  std::vector<int64_t> first;  // [B + 1]: row b's items are [first[b], first[b + 1]), KV head major
-  std::vector<float> parts;    // [item][group][D + 2]: a chunk's max score, sum of exp, sum of exp v
-
-  bool merge = false;           // whether a row has more than one chunk
-
-  AttentionPlan(const int64_t* lens, int64_t B, int64_t Hkv, int64_t group, int64_t D,
-                int64_t window) : first(B + 1, 0) {
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t n = window > 0 ? std::min(lens[b], window) : lens[b];
-      const int64_t chunks = (n + kChunkTokens - 1) / kChunkTokens;
-      first[b + 1] = first[b] + Hkv * chunks;
-      merge = merge || chunks > 1;
-    }
-    parts.resize(first[B] * group * (D + 2));
-  }
-  int64_t items() const { return first.back(); }
-};
 
 struct AttentionScratch {  // one thread's, reused across items
   std::vector<float> scores;  // [group][kChunkTokens]
@@ -502,24 +413,6 @@ void merge_chunks(const AttentionArgs<T, C>& a, const AttentionPlan& plan, int64
 }
 
 template <typename T, typename C>
-AttentionArgs<T, C> attention_args(const torch::Tensor& q, const torch::Tensor& key_cache,
-                                   const torch::Tensor& value_cache, const torch::Tensor& key_scale,
-                                   const torch::Tensor& value_scale,
-                                   const torch::Tensor& block_tables,
-                                   const torch::Tensor& context_lens, double scale,
-                                   int64_t window, torch::Tensor& out) {
-  const bool scaled = key_scale.numel() > 0;
-  return {q.data_ptr<T>(), q.stride(0), q.stride(1),
-          reinterpret_cast<const C*>(key_cache.data_ptr()),
-          reinterpret_cast<const C*>(value_cache.data_ptr()),
-          scaled ? key_scale.data_ptr<float>() : nullptr,
-          scaled ? value_scale.data_ptr<float>() : nullptr,
-          block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
-          q.size(1), key_cache.size(2), q.size(2), key_cache.size(1), block_tables.size(1),
-          window, static_cast<float>(scale), out.data_ptr<T>()};
-}
-
-template <typename T, typename C>
 void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cache,
                            const torch::Tensor& value_cache, const torch::Tensor& key_scale,
                            const torch::Tensor& value_scale, const torch::Tensor& block_tables,
@@ -539,80 +432,19 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cach
   });
 }
 
-// Caches [num_blocks, block_size, Hkv, D] (uint8 = fp8_e4m3 bytes, with float scales
-// [num_blocks, block_size, Hkv, 1]; otherwise the query's dtype and empty scales) for queries of
-// Hq heads of D.
-void check_caches(const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-                  const torch::Tensor& key_scale, const torch::Tensor& value_scale, int64_t Hq,
-                  int64_t D, at::ScalarType dtype) {
-  TORCH_CHECK_VALUE(key_cache.dim() == 4 && key_cache.is_contiguous() &&
-                        value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous() &&
-                        value_cache.scalar_type() == key_cache.scalar_type(),
-                    "decode_attention: caches must be [blocks, block_size, Hkv, D], contiguous");
-  const int64_t Hkv = key_cache.size(2);
-  TORCH_CHECK_VALUE(key_cache.size(3) == D && Hkv > 0 && Hq % Hkv == 0,
-                    "decode_attention: head shapes do not match");
-  TORCH_CHECK_VALUE(D % kLanes == 0 && D <= 16 * kLanes,
-                    "decode_attention: head_dim must be a multiple of 16, at most 256");
-  if (key_cache.scalar_type() == at::kByte) {
-    TORCH_CHECK_VALUE(key_scale.scalar_type() == at::kFloat && key_scale.is_contiguous() &&
-                          value_scale.is_contiguous() &&
-                          key_scale.numel() == key_cache.size(0) * key_cache.size(1) * Hkv &&
-                          value_scale.numel() == key_scale.numel(),
-                      "decode_attention: fp8 caches need float scales [blocks, block_size, Hkv, 1]");
-  } else {
-    TORCH_CHECK_VALUE(key_cache.scalar_type() == dtype,
-                      "decode_attention: cache dtype must be q's dtype or fp8 bytes");
-  }
-}
-
-// block_tables [B, nb] int64 and context_lens [B] int64 (the query token included) address
-// blocks of a cache of num_blocks blocks of bs tokens.
-void check_tables(const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t B,
-                  int64_t num_blocks, int64_t bs) {
-  TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == B &&
-                        block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong,
-                    "decode_attention: block_tables must be [B, nb] int64");
-  TORCH_CHECK_VALUE(context_lens.dim() == 1 && context_lens.size(0) == B &&
-                        context_lens.is_contiguous() && context_lens.scalar_type() == at::kLong,
-                    "decode_attention: context_lens must be [B] int64");
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t nb = block_tables.size(1);
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK_VALUE(lens[b] >= 1 && lens[b] <= nb * bs,
-                      "decode_attention: context length outside the block table");
-    for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i) {
-      TORCH_CHECK_VALUE(tables[b * nb + i] >= 0 && tables[b * nb + i] < num_blocks,
-                        "decode_attention: block id out of range");
-    }
-  }
-}
-
 // q: [B, Hq, D] (D contiguous; rows and heads may be strided, e.g. a view of the qkv output);
-// caches and tables as checked above.
+// caches and tables as common.h's decode_attention_checked checks them.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                                torch::Tensor key_scale, torch::Tensor value_scale,
                                torch::Tensor block_tables, torch::Tensor context_lens,
                                double scale, int64_t window) {
-  TORCH_CHECK_VALUE(q.dim() == 3 && q.stride(2) == 1,
-                    "decode_attention: q must be [B, Hq, D] with D contiguous");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  check_caches(key_cache, value_cache, key_scale, value_scale, Hq, D, q.scalar_type());
-  check_tables(block_tables, context_lens, B, key_cache.size(0), key_cache.size(1));
-  const bool fp8 = key_cache.scalar_type() == at::kByte;
-  auto out = torch::empty({B, Hq, D}, q.options());
-  THERMOSTAT_DISPATCH_FLOAT(q.scalar_type(), "decode_attention", [&] {
-    if (fp8) {
-      decode_attention_impl<scalar_t, uint8_t>(q, key_cache, value_cache, key_scale, value_scale,
-                                               block_tables, context_lens, scale, window, out);
-    } else {
-      auto none = torch::empty({0}, q.options().dtype(at::kFloat));
-      decode_attention_impl<scalar_t, scalar_t>(q, key_cache, value_cache, none, none,
-                                                block_tables, context_lens, scale, window, out);
-    }
-  });
-  return out;
+  return decode_attention_checked(
+      q, key_cache, value_cache, key_scale, value_scale, block_tables, context_lens,
+      [&](auto t, auto c, const torch::Tensor& ks, const torch::Tensor& vs, torch::Tensor& out) {
+        decode_attention_impl<decltype(t), decltype(c)>(q, key_cache, value_cache, ks, vs,
+                                                        block_tables, context_lens, scale, window,
+                                                        out);
+      });
 }
 
 // ---------------------------------------------------------------- bf16 linear, VNNI layout
@@ -631,8 +463,6 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::
 
 constexpr int64_t kTile = 512;           // bf16 elements in one 16 x 32 weight tile (1 KiB)
 constexpr int64_t kAmxRows = 32;         // rows of x in one AMX slab
-
-
 
 // 16 floats -> 16 outputs of row y (N columns) at column n0, masked at the end of the row
 template <typename T>
@@ -833,8 +663,6 @@ void linear_amx(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int
 
 bool uses_amx() { return amx_permitted(); }
 
-
-
 // y [M, N] = x [M, K] W^T (+ bias) with W packed by pack_vnni; any M >= 1, the same bits per row.
 torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, int64_t N,
                           c10::optional<torch::Tensor> bias) {
@@ -1032,7 +860,6 @@ void linear_quant_impl(const torch::Tensor& x, const torch::Tensor& packed, cons
   });
 }
 
-
 // y [M, N] = x [M, K] W^T (+ bias), W quantized (bits 8 or 4) and packed as above; x in float32,
 // bfloat16 or float16 (y in x's dtype). Any M >= 1, the same bits per row.
 torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t bits,
@@ -1052,8 +879,6 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t N, int
     return y;
   });
 }
-
-
 
 // ---------------------------------------------------------------- a team for a whole call
 //

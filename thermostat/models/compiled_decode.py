@@ -53,6 +53,7 @@ def compiled_decode(model: DecoderStack[Any], cache: PagedKVCache) -> CompiledDe
     ops = model.ops
     if (
         ops is None
+        or not ops.has_decode_stack()
         or len(cache.spec.pools) != 1
         or not cache.in_place_kernels
         or not _compiled_norm(model.norm)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from thermostat.kernels import CpuOps, LinearOps
+from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import CacheComponent, KVCacheSpec
@@ -140,9 +140,8 @@ class DeepseekModel(DecoderStack[DeepseekArch]):
         dtype: torch.dtype,
         max_positions: int,
         ops: CpuOps | None = None,
-        linear_ops: LinearOps | None = None,
     ) -> None:
-        super().__init__(arch, config, dtype, max_positions, ops, linear_ops)
+        super().__init__(arch, config, dtype, max_positions, ops)
         self.num_next_n = arch.num_next_n
         if self.num_next_n:
             self.next_n = nn.ModuleList(

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from thermostat.kernels import CpuOps, LinearOps
+from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata
 from thermostat.models.deepseek_v4_names import hf_names
 from thermostat.models.hyper import HyperConnection, HyperHead
@@ -229,9 +229,8 @@ class DeepseekV4Model(DecoderStack[V4Arch]):
         dtype: torch.dtype,
         max_positions: int,
         ops: CpuOps | None = None,
-        linear_ops: LinearOps | None = None,
     ) -> None:
-        super().__init__(arch, config, dtype, max_positions, ops, linear_ops)
+        super().__init__(arch, config, dtype, max_positions, ops)
         self.norm = Fp32RMSNorm(arch.hidden_size, arch.rms_norm_eps)  # type: ignore[assignment]
         self.hc_head = HyperHead(arch.hc_mult, arch.hidden_size, arch.hc_eps, arch.rms_norm_eps)
         self.rope = V4Rope(config, max_positions, dtype)

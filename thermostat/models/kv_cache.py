@@ -261,8 +261,12 @@ class PagedKVCache:
         ck, cv = self.gather(layer, meta.decode_block_tables)  # [nd, L, Hkv, D]
         spans = (meta.decode_context_lens + SDPA_SPAN - 1) // SDPA_SPAN * SDPA_SPAN
         out = torch.empty_like(q)
-        for span in sorted(set(spans.tolist())):
-            rows = (spans == span).nonzero().squeeze(1)
+        groups = sorted(set(spans.tolist()))
+        for span in groups:
+            if len(groups) == 1:  # every row: no copies
+                rows: slice | torch.Tensor = slice(None)
+            else:
+                rows = (spans == span).nonzero().squeeze(1)
             keys, values, mask = ck[rows], cv[rows], meta.decode_mask[rows]
             if keys.shape[1] != span:  # cut or pad (past every row's context: masked)
                 keys, values = (_to_length(t, span, dim=1) for t in (keys, values))

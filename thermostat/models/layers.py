@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from thermostat.kernels import CpuOps, LinearOps
+from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.linear import PackedEmbedding, PackedLinear, pack_linears
@@ -200,16 +200,12 @@ class DecoderStack(nn.Module, Generic[A]):
         dtype: torch.dtype,
         max_positions: int,
         ops: CpuOps | None = None,
-        linear_ops: LinearOps | None = None,
     ) -> None:
         """The constructor of every family (registry.CausalLM). `ops`: thermostat.kernels.ops()
-        to run the ops it takes in the compiled kernels, None for the pure-PyTorch path;
-        `linear_ops`: the kernels' linear layers (thermostat.kernels.linear_ops(), default
-        `ops`'), which an AVX2-only CPU has without `ops`."""
+        to run the ops it takes in the compiled kernels, None for the pure-PyTorch path."""
         super().__init__()
         self.arch = arch
         self.ops = ops
-        self.linear_ops: LinearOps | None = linear_ops or ops
         self.embed_tokens: nn.Module = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
@@ -267,9 +263,9 @@ class DecoderStack(nn.Module, Generic[A]):
             filler.copy(param, tensor, index, hf_name)
         filler.check_complete()
         self._finish_loading()
-        pack_linears(self, self.linear_ops)
+        pack_linears(self, self.ops)
         head = self.lm_head
-        if self.arch.tie_word_embeddings and isinstance(head, PackedLinear) and self.linear_ops:
+        if self.arch.tie_word_embeddings and isinstance(head, PackedLinear) and self.ops:
             self.embed_tokens = PackedEmbedding(head)  # rows read out of the VNNI packing
 
     def _target(self, name: str) -> tuple[str, Index]:

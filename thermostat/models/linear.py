@@ -21,13 +21,14 @@ from thermostat.kernels import LinearOps
 from thermostat.models.quant import QuantizedWeight, quantize
 
 
-def packing_available(dtype: torch.dtype) -> bool:
-    """Whether a bf16 weight can be packed here: by the kernels, or by oneDNN, whose bf16 linear
-    needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only CPU keeps nn.Linear)."""
+def packing_available(dtype: torch.dtype, ops: LinearOps | None) -> bool:
+    """Whether a weight of `dtype` is packed: bf16, by the kernels where they run, else by oneDNN
+    where its bf16 linear does (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere nn.Linear stays)."""
+    if dtype != torch.bfloat16:
+        return False
     # ignore: torch leaves these two unannotated
-    return (
-        dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+    return ops is not None or (
+        torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
 
@@ -96,7 +97,7 @@ def pack_linears(module: nn.Module, ops: LinearOps | None = None) -> int:
     were packed."""
     count = 0
     for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear) and packing_available(child.weight.dtype):
+        if isinstance(child, nn.Linear) and packing_available(child.weight.dtype, ops):
             setattr(module, name, PackedLinear(child.weight, child.bias, ops))
             count += 1
         else:

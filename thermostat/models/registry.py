@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from thermostat.kernels import CpuOps, LinearOps
+from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata
 from thermostat.models.deepseek import DeepseekModel
 from thermostat.models.deepseek_v4 import DeepseekV4Model
@@ -74,7 +74,6 @@ class CausalLM(Protocol):
         dtype: torch.dtype,
         max_positions: int,
         ops: CpuOps | None = None,
-        linear_ops: LinearOps | None = None,
     ) -> None: ...
 
     @classmethod
