@@ -13,11 +13,12 @@ from thermostat import LLM, SamplingParams, kernels
 from thermostat.models.compiled_decode import compiled_decode
 from thermostat.models.layers import DecoderStack
 
-_ops = kernels.ops()
-pytestmark = pytest.mark.skipif(
-    _ops is None or not _ops.has_decode_stack(),
-    reason=f"no DecodeStack: CPU kernels {kernels.status()}",
-)
+
+@pytest.fixture(autouse=True)
+def build(ops, monkeypatch):
+    """Every test once per kernel build this CPU runs (conftest's `ops`): models load with it."""
+    monkeypatch.setattr(kernels, "ops", lambda: ops)
+
 
 SHAPE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
 CASES = {  # name: (kind, overrides, quantization)

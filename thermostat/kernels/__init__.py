@@ -1,9 +1,9 @@
 """Thermostat's CPU kernels (cpu_kernels.cpp), compiled for this machine.
 
 Two builds (`build.py`): on a CPU with AVX-512 BF16/VNNI cpu_kernels.cpp; on one with AVX2 only
-(AMD Zen 2/3, Intel before Ice Lake) avx2_kernels.cpp, the same ops in 8-float registers but
-DecodeStack (its model runs layer by layer). `ops()` is a `CpuOps` of typed calls into the build
-that runs here, or None where none can (no AVX2, no C++ compiler, THERMOSTAT_KERNELS=0 in the
+(AMD Zen 2/3, Intel before Ice Lake) avx2_kernels.cpp, the same ops in 8-float registers; both
+compile DecodeStack (decode_stack.h) over their ops. `ops()` is a `CpuOps` of typed calls into the
+build that runs here, or None where none can (no AVX2, no C++ compiler, THERMOSTAT_KERNELS=0 in the
 environment). The loader calls it once (`load_model(cpu_kernels=...)`) and hands the result to
 the model and the KV cache. The module is built by `python -m thermostat.kernels` (which
 tools/setup.sh runs) and cached per source, torch, Python, flags and CPU (`build.py`), so a server
@@ -23,12 +23,10 @@ that make the choice; forward code calls the function chosen:
 | pack_vnni, linear_vnni | linear.PackedLinear.__init__   | bf16 (every batch size)                |
 | linear_quant           | linear.QuantLinear (quant.py)  | int8 / int4 weights (every batch size) |
 | quant_rows             | linear.QuantEmbedding          | int8 / int4 embeddings                 |
-
-Both builds have every op of the table (the linear layers: `LinearOps`); DecodeStack
-(compiled_decode.py) only the AVX-512 one.
 | write_kv               | kv_cache.PagedKVCache.__init__ | key/value stored in the compute dtype  |
 | decode_attention       | kv_cache.PagedKVCache.__init__ | key/value in fp8 or the compute dtype, |
 |                        |                                | head_dim % 16 == 0 and <= 256          |
+| DecodeStack            | compiled_decode.compiled_decode| every op of a dense layer compiled     |
 """
 
 from __future__ import annotations
@@ -116,10 +114,6 @@ class CpuOps(LinearOps):
     """A build's calls: the linear layers and the decode step's other ops. Float ops take
     float32, bfloat16 or float16 (one dtype for all their tensors) and compute in float32."""
 
-    def has_decode_stack(self) -> bool:
-        """Whether the build has DecodeStack (thermostat.models.compiled_decode): the full one."""
-        return hasattr(self.module, "DecodeStack")
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [N, dim] (unit stride along dim, dim % 16 == 0), weight [dim] -> [N, dim]."""
         y: torch.Tensor = self.module.rms_norm(x, weight, eps)
@@ -206,7 +200,7 @@ def status() -> str:
     compiled = ops()
     if compiled is None:
         return f"off ({_reasons[AVX2]})"
-    if not compiled.has_decode_stack():
+    if FULL in _reasons:  # ops() tried it first
         return f"on (AVX2: {_reasons[FULL]})"
     return "on (AMX)" if compiled.uses_amx() else "on (no AMX)"
 

@@ -1,6 +1,6 @@
 // Thermostat's CPU kernels for CPUs with AVX2 but not AVX-512 BF16/VNNI (AMD Zen 2/3, Intel
-// before Ice Lake): the ops of cpu_kernels.cpp but its DecodeStack, in 8-float registers, on the
-// same layouts (common.h). The ops and their contracts are cpu_kernels.cpp's:
+// before Ice Lake): the ops of cpu_kernels.cpp in 8-float registers, on the same layouts
+// (common.h), and DecodeStack (decode_stack.h) over them. The ops' contracts are cpu_kernels.cpp's:
 //
 //   rms_norm, add_rms_norm, rotary_, silu_mul   as there (fp32 math, one rounding)
 //   write_kv                 common.h's
@@ -11,7 +11,7 @@
 //
 // Batch invariance as in the AVX-512 build: each output is one fixed sequence of operations
 // whatever the number of rows, so a row's bits never depend on the rows batched with it.
-// Threads: at::parallel_for over 16- or 32-output units.
+// Threads: at::parallel_for over 16- or 32-output units (DecodeStack: decode_stack.h's team).
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -149,6 +149,15 @@ void rms_row(const T* x, const T* w, T* out, int64_t n, float eps) {
   }
 }
 
+// residual <- residual + x (rounded to the dtype, as `residual + x` in torch); out <- rms_norm(residual)
+template <typename T>
+void add_rms_row(const T* x, T* residual, const T* w, T* out, int64_t n, float eps) {
+  for (int64_t i = 0; i < n; i += kLanes) {
+    store8(residual + i, _mm256_add_ps(load8(residual + i), load8(x + i)));
+  }
+  rms_row(residual, w, out, n, eps);
+}
+
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   check_rows(x, "rms_norm x");
   TORCH_CHECK_VALUE(weight.is_contiguous() && weight.numel() == x.size(1) &&
@@ -189,19 +198,25 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t stride = x.stride(0);
     at::parallel_for(0, x.size(0), 16, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        scalar_t* res = rp + r * n;
-        for (int64_t i = 0; i < n; i += kLanes) {
-          store8(res + i, _mm256_add_ps(load8(res + i), load8(xp + r * stride + i)));
-        }
-        rms_row(res, wp, op + r * n, n, (float)eps);
-      }
+      for (int64_t r = b; r < e; ++r) add_rms_row(xp + r * stride, rp + r * n, wp, op + r * n, n, (float)eps);
     });
   });
   return out;
 }
 
 // ---------------------------------------------------------------- rotary
+
+// One head v [D] rotated in place by its row's cos, sin [D] (D = 2 half).
+template <typename T>
+inline void rotate_head(T* v, const T* c, const T* s, int64_t half) {
+  for (int64_t j = 0; j < half; j += kLanes) {
+    const __m256 a = load8(v + j), bb = load8(v + half + j);
+    const __m256 lo = _mm256_fmsub_ps(a, load8(c + j), _mm256_mul_ps(bb, load8(s + j)));
+    const __m256 hi = _mm256_fmadd_ps(bb, load8(c + half + j), _mm256_mul_ps(a, load8(s + half + j)));
+    store8(v + j, lo);
+    store8(v + half + j, hi);
+  }
+}
 
 // x: [T, H, D] (rows and heads may be strided, D contiguous); cos, sin: [T, D] contiguous.
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
@@ -221,21 +236,22 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
     at::parallel_for(0, T * H, 64, [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) {
         const int64_t t = i / H, h = i % H;
-        scalar_t* v = xp + t * st + h * sh;
-        const scalar_t *c = cp + t * D, *s = sp + t * D;
-        for (int64_t j = 0; j < half; j += kLanes) {
-          const __m256 a = load8(v + j), bb = load8(v + half + j);
-          const __m256 lo = _mm256_fmsub_ps(a, load8(c + j), _mm256_mul_ps(bb, load8(s + j)));
-          const __m256 hi = _mm256_fmadd_ps(bb, load8(c + half + j), _mm256_mul_ps(a, load8(s + half + j)));
-          store8(v + j, lo);
-          store8(v + half + j, hi);
-        }
+        rotate_head(xp + t * st + h * sh, cp + t * D, sp + t * D, half);
       }
     });
   });
 }
 
 // ---------------------------------------------------------------- SwiGLU activation
+
+// out[0, 8) = silu(gate) * up, in fp32, rounded once
+template <typename T>
+inline void silu_mul_lanes(const T* gate, const T* up, T* out) {
+  const __m256 g = load8(gate), u = load8(up);
+  const __m256 sig = _mm256_div_ps(
+      _mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+  store8(out, _mm256_mul_ps(_mm256_mul_ps(g, sig), u));
+}
 
 // gate_up: [T, 2I] (gate columns first) -> silu(gate) * up [T, I], in fp32, rounded once.
 torch::Tensor silu_mul(torch::Tensor gate_up) {
@@ -250,10 +266,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     at::parallel_for(0, T * (I / kLanes), 1024, [&](int64_t b, int64_t e) {
       for (int64_t c = b; c < e; ++c) {
         const int64_t t = c / (I / kLanes), i = (c % (I / kLanes)) * kLanes;
-        const __m256 g = load8(gp + t * stride + i), u = load8(gp + t * stride + I + i);
-        const __m256 sig = _mm256_div_ps(
-            _mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-        store8(op + t * I + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), u));
+        silu_mul_lanes(gp + t * stride + i, gp + t * stride + I + i, op + t * I + i);
       }
     });
   });
@@ -262,12 +275,19 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 
 // ---------------------------------------------------------------- paged decode attention
 
+struct AttentionScratch {  // one thread's, reused across items
+  std::vector<float> scores;  // [group][kChunkTokens]
+  std::vector<__m256> qv, acc;
+};
+
 // Item `item` of the plan (row, KV head, chunk): for each query head of the KV head's group the
 // chunk's max score m, l = sum exp(s - m) and sum exp(s - m) v (a row of one chunk: normalized
 // and written out), as cpu_kernels.cpp's attend_chunk.
 template <typename T, typename C>
 void attend_chunk(const AttentionArgs<T, C>& a, AttentionPlan& plan, int64_t item,
-                  std::vector<float>& scores, std::vector<__m256>& qv, std::vector<__m256>& acc) {
+                  AttentionScratch& scratch) {
+  std::vector<float>& scores = scratch.scores;
+  std::vector<__m256>&qv = scratch.qv, &acc = scratch.acc;
   const int64_t group = a.Hq / a.Hkv, D = a.D, dv = D / kLanes, Hkv = a.Hkv, bs = a.block_size;
   const int64_t b = std::upper_bound(plan.first.begin(), plan.first.end(), item) - plan.first.begin() - 1;
   const int64_t chunks = (plan.first[b + 1] - plan.first[b]) / Hkv;
@@ -365,9 +385,8 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cach
   const int64_t B = q.size(0);
   AttentionPlan plan(args.lens, B, args.Hkv, args.Hq / args.Hkv, args.D, window);
   at::parallel_for(0, plan.items(), 1, [&](int64_t b, int64_t e) {
-    std::vector<float> scores;
-    std::vector<__m256> qv, acc;
-    for (int64_t item = b; item < e; ++item) attend_chunk(args, plan, item, scores, qv, acc);
+    AttentionScratch scratch;
+    for (int64_t item = b; item < e; ++item) attend_chunk(args, plan, item, scratch);
   });
   if (!plan.merge) return;
   at::parallel_for(0, B * args.Hq, 16, [&](int64_t b, int64_t e) {
@@ -392,37 +411,32 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::
 //
 // Per output one float32 accumulator over K pairs in order: a 32-bit element of the packing
 // holds W[n][k] (low half) and W[n][k + 1] (high half), widened to float by a shift and a mask,
-// two fused multiply-adds against broadcast x[k], x[k + 1]. Tiles: up to 4 rows x one column
-// block of 16 outputs (8 accumulators), K outermost within the tile.
+// two fused multiply-adds against x[k], x[k + 1]. x's rows are widened to float once per call
+// (exactly: a bf16 is the high half of its float), so a tile broadcasts them straight from
+// memory. Tiles: up to kRows rows x one column block of 16 outputs (2 kRows accumulators), K
+// outermost within the tile.
+
+constexpr int kRows = 4;
 
 template <int R>
-inline void bf16_tile(const uint16_t* x, int64_t Kp, const uint16_t* W, int64_t KS,
+inline void bf16_tile(const float* x, int64_t Kp, const uint16_t* W, int64_t KS,
                       const float* bias, c10::BFloat16* y, int64_t N, int64_t m0, int64_t nb) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   const uint16_t* wb = W + nb * KS * 512;
   const int64_t pf = R == 1 ? kPrefetchBf16 : 0;  // a tile of more rows reads slower than memory
-  for (int64_t ks = 0; ks < KS; ++ks) {
-    for (int kp = 0; kp < 16; ++kp) {
-      const uint16_t* p = wb + (ks * 16 + kp) * 32;
-      if (pf) _mm_prefetch(reinterpret_cast<const char*>(p) + pf, _MM_HINT_T0);
-      __m256 even[2], odd[2];
-      for (int h = 0; h < 2; ++h) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * h));
-        even[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        odd[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-      }
-      const int64_t k = ks * 32 + 2 * kp;
+  for (int64_t kp = 0; kp < KS * 16; ++kp) {  // K pairs; tile rows are 64 bytes, consecutive
+    const uint16_t* p = wb + kp * 32;
+    if (pf) _mm_prefetch(reinterpret_cast<const char*>(p) + pf, _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * h));
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(v, high));
       for (int r = 0; r < R; ++r) {
-        uint32_t pair;
-        std::memcpy(&pair, x + (m0 + r) * Kp + k, sizeof(pair));
-        const __m256 x0 = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int32_t>(pair << 16)));
-        const __m256 x1 = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int32_t>(pair & 0xFFFF0000u)));
-        for (int h = 0; h < 2; ++h) {
-          acc[r][h] = _mm256_fmadd_ps(even[h], x0, acc[r][h]);
-          acc[r][h] = _mm256_fmadd_ps(odd[h], x1, acc[r][h]);
-        }
+        const float* xr = x + (m0 + r) * Kp + 2 * kp;
+        acc[r][h] = _mm256_fmadd_ps(even, _mm256_broadcast_ss(xr), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(xr + 1), acc[r][h]);
       }
     }
   }
@@ -433,6 +447,30 @@ inline void bf16_tile(const uint16_t* x, int64_t Kp, const uint16_t* W, int64_t 
     for (int64_t i = 0; i < 16 && nb * 16 + i < N; ++i) {
       const float v = bias ? out[i] + bias[nb * 16 + i] : out[i];
       y[(m0 + r) * N + nb * 16 + i] = c10::BFloat16(v);
+    }
+  }
+}
+
+// Column blocks [nb0, nb1) of 16 outputs for every row of x [M, Kp] (bf16 bits), in row tiles of
+// kRows then the rest; an output's arithmetic is the same whichever tile holds it.
+void bf16_blocks(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, int64_t KS,
+                 const float* bias, c10::BFloat16* y, int64_t N, int64_t nb0, int64_t nb1) {
+  static thread_local std::vector<float> widened;  // this thread's, reused per call
+  widened.resize(M * Kp);
+  float* xf = widened.data();
+  for (int64_t i = 0; i < M * Kp; i += kLanes) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
+    _mm256_storeu_ps(xf + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    int64_t m = 0;
+    for (; m + kRows <= M; m += kRows) bf16_tile<kRows>(xf, Kp, W, KS, bias, y, N, m, nb);
+    switch (M - m) {
+      case 4: bf16_tile<4>(xf, Kp, W, KS, bias, y, N, m, nb); break;
+      case 3: bf16_tile<3>(xf, Kp, W, KS, bias, y, N, m, nb); break;
+      case 2: bf16_tile<2>(xf, Kp, W, KS, bias, y, N, m, nb); break;
+      case 1: bf16_tile<1>(xf, Kp, W, KS, bias, y, N, m, nb); break;
+      default: break;
     }
   }
 }
@@ -456,16 +494,7 @@ torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, int64_t N,
   const auto* xp = reinterpret_cast<const uint16_t*>(xpad.data_ptr<c10::BFloat16>());
   const int64_t used = (N + 15) / 16;  // column blocks holding outputs (the rest is padding)
   at::parallel_for(0, used, 1, [&](int64_t b, int64_t e) {
-    for (int64_t nb = b; nb < e; ++nb) {
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) bf16_tile<4>(xp, Kp, wp, KS, bp, yp, N, m, nb);
-      switch (M - m) {
-        case 3: bf16_tile<3>(xp, Kp, wp, KS, bp, yp, N, m, nb); break;
-        case 2: bf16_tile<2>(xp, Kp, wp, KS, bp, yp, N, m, nb); break;
-        case 1: bf16_tile<1>(xp, Kp, wp, KS, bp, yp, N, m, nb); break;
-        default: break;
-      }
-    }
+    bf16_blocks(xp, M, Kp, wp, KS, bp, yp, N, b, e);
   });
   return y;
 }
@@ -662,9 +691,12 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t N, int
   });
 }
 
+bool amx_permitted() { return false; }
 bool uses_amx() { return false; }
 
 }  // namespace
+
+#include "decode_stack.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
@@ -682,4 +714,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_rows", &quant_rows, "rows of an int8 / 4-bit packed weight, dequantized", nogil);
   m.def("linear_quant", &linear_quant, "x W^T + b with int8 / 4-bit weights in blocks of 32",
         nogil);
+  def_decode_stack(m);
 }

@@ -1,6 +1,6 @@
 """Building the kernels for this machine, cached per distinct build: cpu_kernels.cpp (`FULL`:
-AVX-512 BF16/VNNI) or, on a CPU with AVX2 only, avx2_kernels.cpp (`AVX2`: the same ops but
-DecodeStack).
+AVX-512 BF16/VNNI) or, on a CPU with AVX2 only, avx2_kernels.cpp (`AVX2`: the same ops in
+8-float registers).
 
 Everything that changes the binary is hashed into one key, and each key has its own directory
 under `cache_root()` ($THERMOSTAT_KERNEL_CACHE, else ~/.cache/thermostat/kernels):
@@ -39,8 +39,8 @@ ISA_FLAG_PREFIXES = ("avx", "amx", "sse", "ssse", "fma", "f16c", "bmi", "abm", "
 
 @dataclass(frozen=True)
 class Build:
-    """One compiled module: its source (with common.h, which both include), its name, and the
-    instruction sets (Linux /proc/cpuinfo names) it needs."""
+    """One compiled module: its source (with common.h and decode_stack.h, which both include),
+    its name, and the instruction sets (Linux /proc/cpuinfo names) it needs."""
 
     name: str
     source: Path
@@ -48,22 +48,23 @@ class Build:
     what: str  # for logs
 
     def source_bytes(self) -> bytes:
-        return self.source.read_bytes() + b"\0" + (HERE / "common.h").read_bytes()
+        headers = (HERE / name for name in ("common.h", "decode_stack.h"))
+        return b"\0".join([self.source.read_bytes(), *(h.read_bytes() for h in headers)])
 
 
-# Every kernel, DecodeStack included: AVX-512 BF16/VNNI (AMX where present).
+# AVX-512 BF16/VNNI (AMX where present).
 FULL = Build(
     "thermostat_cpu_kernels",
     HERE / "cpu_kernels.cpp",
     ("avx2", "f16c", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"),
-    "(AVX-512, every op)",
+    "(AVX-512)",
 )
-# The same ops but DecodeStack, for CPUs with AVX2 but not FULL's instruction sets.
+# The same ops for CPUs with AVX2 but not FULL's instruction sets.
 AVX2 = Build(
     "thermostat_avx2_kernels",
     HERE / "avx2_kernels.cpp",
     ("avx2", "f16c", "fma"),
-    "(AVX2, no DecodeStack)",
+    "(AVX2)",
 )
 
 

@@ -16,7 +16,8 @@
 //                  quantized per block, int8 dot products (AVX512-VNNI); batch invariant too
 //   DecodeStack    a dense Llama-family decode step through every layer in one call: the
 //                  functions above in the Python forward's order (the same bits, no Python between),
-//                  one team of threads through the whole step (no fork and join per op)
+//                  one team of threads through the whole step (decode_stack.h, which the AVX2
+//                  build compiles too)
 //
 // Every function checks its inputs and raises (a Python ValueError/RuntimeError) rather than
 // reading out of bounds. Threads: at::parallel_for (or, for DecodeStack, one OpenMP parallel
@@ -250,7 +251,7 @@ void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 
 // out[0, 16) = silu(gate) * up, in fp32, rounded once
 template <typename T>
-inline void silu_mul16(const T* gate, const T* up, T* out) {
+inline void silu_mul_lanes(const T* gate, const T* up, T* out) {
   const __m512 g = load16(gate), u = load16(up);
   const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f),
                                    _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
@@ -272,7 +273,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     at::parallel_for(0, T * (I / kLanes), 1024, [&](int64_t b, int64_t e) {
       for (int64_t c = b; c < e; ++c) {
         const int64_t t = c / (I / kLanes), i = (c % (I / kLanes)) * kLanes;
-        silu_mul16(gp + t * stride + i, gp + t * stride + I + i, op + t * I + i);
+        silu_mul_lanes(gp + t * stride + i, gp + t * stride + I + i, op + t * I + i);
       }
     });
   });
@@ -820,8 +821,8 @@ void quant_group(const QuantizedActivations& a, int64_t M, const uint8_t* W, int
 // where the range holds one, so that two threads split any N evenly and still stream whole
 // records. An output's arithmetic is the same whichever unit holds it.
 template <int BITS, bool PREFETCH, typename T>
-void quant_units(const QuantizedActivations& a, int64_t M, const uint8_t* W, int64_t KB,
-                 const float* bias, T* y, int64_t N, int64_t u0, int64_t u1) {
+void quant_units_with(const QuantizedActivations& a, int64_t M, const uint8_t* W, int64_t KB,
+                      const float* bias, T* y, int64_t N, int64_t u0, int64_t u1) {
   std::vector<float> sums;
   for (int64_t u = u0; u < u1;) {
     if (u % 2 == 0 && u + 2 <= u1) {
@@ -835,10 +836,10 @@ void quant_units(const QuantizedActivations& a, int64_t M, const uint8_t* W, int
 }
 
 template <int BITS, typename T>
-void quant_units(bool prefetch, const QuantizedActivations& a, int64_t M, const uint8_t* W,
-                 int64_t KB, const float* bias, T* y, int64_t N, int64_t u0, int64_t u1) {
-  if (prefetch) quant_units<BITS, true>(a, M, W, KB, bias, y, N, u0, u1);
-  else quant_units<BITS, false>(a, M, W, KB, bias, y, N, u0, u1);
+void quant_units(const QuantizedActivations& a, int64_t M, const uint8_t* W, int64_t KB,
+                 const float* bias, T* y, int64_t N, int64_t u0, int64_t u1) {
+  if (prefetch_weights()) quant_units_with<BITS, true>(a, M, W, KB, bias, y, N, u0, u1);
+  else quant_units_with<BITS, false>(a, M, W, KB, bias, y, N, u0, u1);
 }
 
 template <int BITS, typename T>
@@ -854,9 +855,8 @@ void linear_quant_impl(const torch::Tensor& x, const torch::Tensor& packed, cons
   });
   const auto* wp = packed.data_ptr<uint8_t>();
   T* yp = y.data_ptr<T>();
-  const bool prefetch = prefetch_weights();
   at::parallel_for(0, 2 * G, 1, [&](int64_t b, int64_t e) {
-    quant_units<BITS>(prefetch, a, M, wp, KB, bias, yp, N, b, e);
+    quant_units<BITS>(a, M, wp, KB, bias, yp, N, b, e);
   });
 }
 
@@ -880,359 +880,9 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t N, int
   });
 }
 
-// ---------------------------------------------------------------- a team for a whole call
-//
-// The pool's threads through a whole call, in one OpenMP parallel region (the pool torch's
-// at::parallel_for uses: the same libgomp): `step(f)` runs f on every thread, each taking its
-// share of the work with `share` (fixed) or `claim` (first come), then waits for all of them.
-// Forking and joining per op costs ~2.5 us and the wait for the slower thread's last group; a
-// barrier costs ~0.3 us. An exception in f is kept and rethrown by `run_team` after the region;
-// the steps after it do nothing, but every thread still meets every barrier.
-
-struct TeamState {  // shared by one team's threads
-  std::atomic<bool> failed{false};
-  std::exception_ptr error;
-  std::mutex mu;
-  std::atomic<int64_t> next[2] = {0, 0};  // claim counters, by step parity
-};
-
-class Team {
- public:
-  Team(int64_t id, int64_t size, TeamState& state) : id_(id), size_(size), state_(state) {}
-
-  // this thread's [begin, end) of n units (every thread's within one unit of the others')
-  std::pair<int64_t, int64_t> share(int64_t n) const {
-    return {n * id_ / size_, n * (id_ + 1) / size_};
-  }
-
-  // f(begin, end) over units [0, n), `grain` at a time, each piece to whichever thread asks
-  // first: a thread the OS preempts mid-step (a server's event loop on a 2-core machine) leaves
-  // the rest of the step's work to the others instead of holding them at the barrier. Once
-  // per step at most.
-  template <typename F>
-  void claim(int64_t n, int64_t grain, F&& f) {
-    std::atomic<int64_t>& next = state_.next[steps_ % 2];
-    for (int64_t b = next.fetch_add(grain); b < n; b = next.fetch_add(grain)) {
-      f(b, std::min(n, b + grain));
-    }
-  }
-
-  bool leader() const { return id_ == 0; }  // the calling thread (torch's thread-local state)
-
-  template <typename F>
-  void step(F&& f) {
-    // the other parity's counter was last used by the step before, which every thread has left
-    if (leader()) state_.next[(steps_ + 1) % 2].store(0, std::memory_order_relaxed);
-    if (!state_.failed.load(std::memory_order_relaxed)) {
-      try {
-        f();
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(state_.mu);
-        if (!state_.error) state_.error = std::current_exception();
-        state_.failed = true;
-      }
-    }
-#pragma omp barrier
-    ++steps_;
-  }
-
- private:
-  int64_t id_, size_, steps_ = 0;
-  TeamState& state_;
-};
-
-// body(team) on each of the pool's threads; body does its work in team.step calls only.
-template <typename F>
-void run_team(F&& body) {
-  TeamState state;
-#pragma omp parallel num_threads(at::get_num_threads())
-  {
-    Team team(omp_get_thread_num(), omp_get_num_threads(), state);
-    body(team);
-  }
-  if (state.error) std::rethrow_exception(state.error);
-}
-
-// ---------------------------------------------------------------- decode stack
-//
-// A dense Llama-family decoder's decode step (one new token per row, every row a decode) in one
-// call: per layer, norm, the qkv projection, q/k norms (Qwen3), rotary, the cache write, decode
-// attention, the output projection, add + norm and the SwiGLU MLP, then the final add + norm.
-// It runs the per-row and per-output arithmetic of the functions above, in the order the layers'
-// Python forward (thermostat/models/llama.py) calls them, so its hidden states are the same bits;
-// what it saves is the Python between the ops and, in a team (below), their forks and joins.
-// thermostat/models/compiled_decode.py decides where it applies.
-//
-// Two ways through: `team` runs the whole step in one parallel region, a barrier between ops,
-// each op's work shared by the threads (linears and attention piece by piece to whichever thread
-// is free, so one the OS preempts holds the others back by one piece at most); `ops` calls the functions above one after another
-// (each forking its own threads). The team takes every stack it can: int8 / 4-bit linears, bf16
-// ones off AMX, widths multiples of 32 and a KV cache in the compute dtype; the AMX bf16 kernel
-// keeps the per-op way (it could not be measured inside a team here).
-
-struct StackLinear {
-  torch::Tensor packed;
-  int64_t n;
-  int64_t bits;  // 16: bf16 packed by pack_vnni (linear_vnni); 8 or 4: linear_quant
-  c10::optional<torch::Tensor> bias;
-  torch::Tensor bias_f;  // float32, padded: what the kernels add
-
-  StackLinear(torch::Tensor packed_, int64_t n_, int64_t bits_, c10::optional<torch::Tensor> bias_)
-      : packed(std::move(packed_)), n(n_), bits(bits_), bias(std::move(bias_)) {
-    if (bits == 16) check_vnni_packed(packed);
-    else check_quant_packed(packed, bits);
-    const int64_t padded_n = packed.size(0) * (bits == 16 ? 16 : 64);
-    TORCH_CHECK_VALUE(n <= padded_n && n > padded_n - 64,
-                      "StackLinear: n does not match the packed weight");
-    bias_f = float_bias(bias, n, padded_n, "StackLinear");
-  }
-
-  int64_t k() const { return packed.size(1) * 32; }  // K, padded to a multiple of 32
-
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    return bits == 16 ? linear_vnni(x, packed, n, bias)
-                      : linear_quant(x.contiguous(), packed, n, bits, bias);
-  }
-
-  // y [M, n] = x [M, k()] W^T (+ bias), contiguous rows, in team steps; `a` holds M x k() / 32
-  // quantized blocks
-  template <typename T>
-  void run(Team& team, const T* x, int64_t M, T* y, QuantizedActivations& a) const {
-    const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-    if (bits == 16) {
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        const auto* W = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
-        const int64_t NB = packed.size(0), KS = packed.size(1);
-        team.step([&] {
-          team.claim(NB, 4, [&](int64_t b, int64_t e) {
-            bf16_blocks(reinterpret_cast<const uint16_t*>(x), M, KS * 32, W, KS, bp, y, n, b, e);
-          });
-        });
-      }
-      return;
-    }
-    const int64_t G = packed.size(0), KB = packed.size(1);
-    const uint8_t* W = packed.data_ptr<uint8_t>();
-    const bool prefetch = prefetch_weights();
-    team.step([&] {
-      const auto [b, e] = team.share(M * KB);
-      quantize_blocks(x, KB * 32, KB * 32, KB, a, b, e);
-    });
-    team.step([&] {
-      team.claim(2 * G, 4, [&](int64_t b, int64_t e) {  // two whole groups at a time
-        if (bits == 8) quant_units<8>(prefetch, a, M, W, KB, bp, y, n, b, e);
-        else quant_units<4>(prefetch, a, M, W, KB, bp, y, n, b, e);
-      });
-    });
-  }
-};
-
-struct StackLayer {
-  torch::Tensor input_norm, post_norm;
-  StackLinear qkv, o, gate_up, down;
-  c10::optional<torch::Tensor> q_norm, k_norm;  // per head (Qwen3): torch's rms_norm, as in Python
-  torch::Tensor key_cache, value_cache, key_scale, value_scale;
-};
-
-class DecodeStack {
- public:
-  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
-              torch::Tensor final_norm)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-        final_norm_(std::move(final_norm)) {}
-
-  void add_layer(StackLayer layer) {
-    const int64_t hidden = final_norm_.numel(), H = heads_, Hkv = kv_heads_, D = head_dim_;
-    TORCH_CHECK_VALUE(layer.qkv.n == (H + 2 * Hkv) * D && layer.o.n == hidden &&
-                          layer.down.n == hidden,
-                      "DecodeStack: the layer's projections do not match the stack's shape");
-    TORCH_CHECK_VALUE(layer.q_norm.has_value() == layer.k_norm.has_value(),
-                      "DecodeStack: q and k norms come together");
-    check_caches(layer.key_cache, layer.value_cache, layer.key_scale, layer.value_scale, H, D,
-                 final_norm_.scalar_type());
-    TORCH_CHECK_VALUE(layers_.empty() || layer.key_cache.sizes() == layers_[0].key_cache.sizes(),
-                      "DecodeStack: every layer's cache has the same shape");
-    // the team reads every projection's input whole: widths multiples of 32, no padding
-    teamable_ = teamable_ && hidden % 32 == 0 && (H * D) % 32 == 0 &&
-                layer.qkv.k() == hidden && layer.gate_up.k() == hidden &&
-                layer.o.k() == H * D && layer.down.k() % 32 == 0 &&
-                layer.down.k() * 2 == layer.gate_up.n;
-    for (const StackLinear* lin : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
-      if (lin->bits == 16) has_bf16_ = true;
-    }
-    layers_.push_back(std::move(layer));
-  }
-
-  // x [T, hidden]: the rows' embeddings; cos, sin [T, head_dim]; slots [T]; block_tables
-  // [T, nb]; context_lens [T]; window 0 = none. Returns the final norm's output [T, hidden].
-  // team: run as a team where the stack allows it (the same bits either way).
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const torch::Tensor& slots, const torch::Tensor& block_tables,
-                        const torch::Tensor& context_lens, int64_t window, bool team) const {
-    TORCH_CHECK_VALUE(!layers_.empty(), "DecodeStack: no layers");
-    TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == final_norm_.numel() && x.size(0) >= 1,
-                      "DecodeStack: x must be [T, hidden]");
-    const auto dtype = x.scalar_type();
-    if (team && teamable_ && layers_[0].key_cache.scalar_type() == dtype &&
-        (!has_bf16_ || (dtype == at::kBFloat16 && !amx_permitted()))) {
-      return THERMOSTAT_DISPATCH_FLOAT(dtype, "DecodeStack", [&] {
-        return forward_team<scalar_t>(x, cos, sin, slots, block_tables, context_lens, window);
-      });
-    }
-    return forward_ops(x, cos, sin, slots, block_tables, context_lens, window);
-  }
-
- private:
-  torch::Tensor forward_ops(const torch::Tensor& x, const torch::Tensor& cos,
-                            const torch::Tensor& sin, const torch::Tensor& slots,
-                            const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                            int64_t window) const {
-    const int64_t T = x.size(0), H = heads_, Hkv = kv_heads_, D = head_dim_;
-    torch::Tensor residual = x.contiguous();
-    torch::Tensor out;
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      const StackLayer& L = layers_[i];
-      torch::Tensor h = i == 0 ? rms_norm(residual, L.input_norm, eps_)
-                               : add_rms_norm(out, residual, L.input_norm, eps_);
-      const torch::Tensor qkv = L.qkv(h);
-      torch::Tensor qk = qkv.narrow(1, 0, (H + Hkv) * D).view({T, H + Hkv, D});
-      const torch::Tensor v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D});
-      if (L.q_norm) qk = qk_norms(qk, L);
-      rotary_(qk, cos, sin);
-      write_kv(L.key_cache, L.value_cache, qk.narrow(1, H, Hkv), v, slots);
-      const torch::Tensor o =
-          decode_attention(qk.narrow(1, 0, H), L.key_cache, L.value_cache, L.key_scale,
-                           L.value_scale, block_tables, context_lens, scale_, window);
-      h = add_rms_norm(L.o(o.reshape({T, H * D})), residual, L.post_norm, eps_);
-      out = L.down(silu_mul(L.gate_up(h)));
-    }
-    return add_rms_norm(out, residual, final_norm_, eps_);
-  }
-
-  // Qwen3's per-head q and k norms through torch's rms_norm, as the Python forward does
-  torch::Tensor qk_norms(const torch::Tensor& qk, const StackLayer& L) const {
-    const std::vector<int64_t> dim{head_dim_};
-    return at::cat({at::rms_norm(qk.narrow(1, 0, heads_), dim, *L.q_norm, eps_),
-                    at::rms_norm(qk.narrow(1, heads_, kv_heads_), dim, *L.k_norm, eps_)},
-                   1);
-  }
-
-  template <typename T>
-  torch::Tensor forward_team(const torch::Tensor& x, const torch::Tensor& cos,
-                             const torch::Tensor& sin, const torch::Tensor& slots,
-                             const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                             int64_t window) const {
-    const int64_t T_ = x.size(0), H = heads_, Hkv = kv_heads_, D = head_dim_;
-    const int64_t hidden = x.size(1), Nqkv = (H + 2 * Hkv) * D, I = layers_[0].down.k();
-    const int64_t* lens = context_lens.data_ptr<int64_t>();
-    TORCH_CHECK_VALUE(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T_ * D &&
-                          sin.sizes() == cos.sizes() && cos.scalar_type() == x.scalar_type() &&
-                          sin.scalar_type() == x.scalar_type() && D % 32 == 0,
-                      "rotary: cos/sin must be [T, D] of x's dtype");
-    TORCH_CHECK_VALUE(I % kLanes == 0, "silu_mul: intermediate size must be a multiple of 16");
-    const torch::Tensor& cache0 = layers_[0].key_cache;
-    check_slots(slots, T_, cache0.size(0) * cache0.size(1));
-    check_tables(block_tables, context_lens, T_, cache0.size(0), cache0.size(1));
-
-    torch::Tensor residual = x.contiguous();
-    auto buffer = [&](int64_t width) { return torch::empty({T_, width}, x.options()); };
-    torch::Tensor h = buffer(hidden), qkv = buffer(Nqkv), attn = buffer(H * D),
-                  gate_up = buffer(2 * I), act = buffer(I), out = buffer(hidden),
-                  result = buffer(hidden);
-    QuantizedActivations a;
-    a.resize(T_, std::max({hidden, H * D, I}) / 32);
-    T *res = residual.data_ptr<T>(), *hp = h.data_ptr<T>(), *qkvp = qkv.data_ptr<T>(),
-      *attnp = attn.data_ptr<T>(), *gup = gate_up.data_ptr<T>(), *actp = act.data_ptr<T>(),
-      *outp = out.data_ptr<T>();
-    const T *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
-    const int64_t* slot = slots.data_ptr<int64_t>();
-    const float eps = static_cast<float>(eps_);
-    torch::Tensor qk_normed;  // Qwen3's q and k after their norms, [T, H + Hkv, D]
-    AttentionPlan plan(lens, T_, Hkv, H / Hkv, D, window);  // the same for every layer
-
-    // rows r of the team's share: norm(residual) or, with x, residual += x then its norm
-    auto norm_rows = [&](Team& team, const T* xrows, const torch::Tensor& w, T* dst) {
-      team.step([&] {
-        const auto [b, e] = team.share(T_);
-        for (int64_t r = b; r < e; ++r) {
-          if (xrows) add_rms_row(xrows + r * hidden, res + r * hidden, w.data_ptr<T>(), dst + r * hidden, hidden, eps);
-          else rms_row(res + r * hidden, w.data_ptr<T>(), dst + r * hidden, hidden, eps);
-        }
-      });
-    };
-
-    run_team([&](Team& team) {
-      AttentionScratch scratch;  // this thread's
-      for (size_t i = 0; i < layers_.size(); ++i) {
-        const StackLayer& L = layers_[i];
-        norm_rows(team, i == 0 ? nullptr : outp, L.input_norm, hp);
-        L.qkv.run(team, hp, T_, qkvp, a);
-        T* qk = qkvp;
-        int64_t qk_row = Nqkv;
-        if (L.q_norm) {
-          team.step([&] {
-            if (team.leader()) {  // torch's own ops, on the calling thread
-              qk_normed = qk_norms(qkv.narrow(1, 0, (H + Hkv) * D).view({T_, H + Hkv, D}), L);
-            }
-          });
-          qk = qk_normed.data_ptr<T>();
-          qk_row = (H + Hkv) * D;
-        }
-        T* kc = L.key_cache.data_ptr<T>();
-        T* vc = L.value_cache.data_ptr<T>();
-        team.step([&] {  // rotary, then the new token's K and V into the cache
-          const auto [b, e] = team.share(T_ * (H + Hkv));
-          for (int64_t item = b; item < e; ++item) {
-            const int64_t t = item / (H + Hkv), head = item % (H + Hkv);
-            T* row = qk + t * qk_row + head * D;
-            rotate_head(row, cp + t * D, sp + t * D, D / 2);
-            if (head >= H) {
-              const int64_t dst = (slot[t] * Hkv + head - H) * D;
-              std::memcpy(kc + dst, row, D * sizeof(T));
-              std::memcpy(vc + dst, qkvp + t * Nqkv + (Hkv + head) * D, D * sizeof(T));
-            }
-          }
-        });
-        const AttentionArgs<T, T> args{qk, qk_row, D, kc, vc, nullptr, nullptr,
-                                       block_tables.data_ptr<int64_t>(), lens, H, Hkv, D,
-                                       L.key_cache.size(1), block_tables.size(1), window,
-                                       static_cast<float>(scale_), attnp};
-        team.step([&] {
-          team.claim(plan.items(), 1, [&](int64_t item, int64_t) {
-            attend_chunk(args, plan, item, scratch);
-          });
-        });
-        if (plan.merge) {
-          team.step([&] {
-            const auto [b, e] = team.share(T_ * H);
-            for (int64_t i = b; i < e; ++i) merge_chunks(args, plan, i / H, i % H);
-          });
-        }
-        L.o.run(team, attnp, T_, outp, a);
-        norm_rows(team, outp, L.post_norm, hp);
-        L.gate_up.run(team, hp, T_, gup, a);
-        team.step([&] {
-          const auto [b, e] = team.share(T_ * (I / kLanes));
-          for (int64_t c = b; c < e; ++c) {
-            const int64_t t = c / (I / kLanes), j = (c % (I / kLanes)) * kLanes;
-            silu_mul16(gup + t * 2 * I + j, gup + t * 2 * I + I + j, actp + t * I + j);
-          }
-        });
-        L.down.run(team, actp, T_, outp, a);
-      }
-      norm_rows(team, outp, final_norm_, result.data_ptr<T>());
-    });
-    return result;
-  }
-
-  int64_t heads_, kv_heads_, head_dim_;
-  double eps_, scale_;
-  torch::Tensor final_norm_;
-  std::vector<StackLayer> layers_;
-  bool teamable_ = true, has_bf16_ = false;
-};
-
 }  // namespace
+
+#include "decode_stack.h"
 
 // The kernels touch no Python object, so each releases the GIL while it runs (as ATen's own ops
 // do): the server's event loop thread writes responses while the engine thread computes.
@@ -1249,19 +899,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_vnni", &linear_vnni, "x W^T + b for bf16 rows, the same bits per row at any M",
         nogil);
   m.def("uses_amx", &uses_amx, "whether linear_vnni runs on AMX tiles here");
-  py::class_<StackLinear>(m, "StackLinear")
-      .def(py::init<torch::Tensor, int64_t, int64_t, c10::optional<torch::Tensor>>());
-  py::class_<StackLayer>(m, "StackLayer")
-      .def(py::init<torch::Tensor, torch::Tensor, StackLinear, StackLinear, StackLinear,
-                    StackLinear, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
-                    torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>());
-  py::class_<DecodeStack>(m, "DecodeStack")
-      .def(py::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>())
-      .def("add_layer", &DecodeStack::add_layer)
-      .def("forward", &DecodeStack::forward, "a decode step through every layer", py::arg("x"),
-           py::arg("cos"), py::arg("sin"), py::arg("slots"), py::arg("block_tables"),
-           py::arg("context_lens"), py::arg("window"), py::arg("team") = true, nogil);
   m.def("quant_rows", &quant_rows, "rows of an int8 / 4-bit packed weight, dequantized", nogil);
   m.def("linear_quant", &linear_quant, "x W^T + b with int8 / 4-bit weights in blocks of 32",
         nogil);
+  def_decode_stack(m);
 }

@@ -1,5 +1,5 @@
 """A dense Llama-family model's decode step in one call into the kernels (`DecodeStack` in
-cpu_kernels.cpp).
+thermostat/kernels/decode_stack.h, which both builds compile).
 
 The step runs the same compiled ops, in the same order and with the same arguments, as the
 layers' Python forward (thermostat.models.llama), so its hidden states are the same bits; what
@@ -53,7 +53,6 @@ def compiled_decode(model: DecoderStack[Any], cache: PagedKVCache) -> CompiledDe
     ops = model.ops
     if (
         ops is None
-        or not ops.has_decode_stack()
         or len(cache.spec.pools) != 1
         or not cache.in_place_kernels
         or not _compiled_norm(model.norm)
