@@ -546,8 +546,26 @@ void quantize_blocks(const T* xp, int64_t K, int64_t stride, int64_t KB, Quantiz
   }
 }
 
+// Row m's integer sums of column block c of one record (K block kb), its two halves, into the
+// row's running float sums (`sums`, [row][64]): common.h's float step.
+template <int BITS>
+inline void add_block(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
+                      int64_t m, int c, const __m256i (&acc)[2], float* sums) {
+  const int64_t j = m * KB + kb;
+  for (int h = 0; h < 2; ++h) {
+    const int lane = c * 16 + h * 8;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 2 * lane)));
+    const __m256i z = BITS == 8 ? _mm256_setzero_si256()
+                                : _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 128 + lane)));
+    float* at = sums + m * 64 + lane;
+    const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(a.s[j]));
+    const __m256i fixed = _mm256_sub_epi32(acc[h], _mm256_mullo_epi32(z, _mm256_set1_epi32(a.sum[j])));
+    _mm256_storeu_ps(at, _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(fixed), _mm256_loadu_ps(at)));
+  }
+}
+
 // Rows [m0, m0 + R) x column block c (16 outputs) of one record (K block kb): the block's
-// integer sums in registers, then added into the rows' running float sums (`sums`, [row][64]).
+// integer sums in registers, then added into the rows' running float sums.
 template <int BITS, int R>
 inline void quant_block(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
                         int64_t m0, int c, float* sums) {
@@ -591,19 +609,44 @@ inline void quant_block(const QuantizedActivations& a, const uint8_t* rec, int64
       }
     }
   }
-  for (int h = 0; h < 2; ++h) {
-    const int lane = c * 16 + h * 8;
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 2 * lane)));
-    const __m256i z = BITS == 8 ? _mm256_setzero_si256()
-                                : _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 128 + lane)));
-    for (int r = 0; r < R; ++r) {
-      const int64_t j = (m0 + r) * KB + kb;
-      float* at = sums + (m0 + r) * 64 + lane;
-      const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(a.s[j]));
-      const __m256i fixed = _mm256_sub_epi32(acc[r][h], _mm256_mullo_epi32(z, _mm256_set1_epi32(a.sum[j])));
-      _mm256_storeu_ps(at, _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(fixed), _mm256_loadu_ps(at)));
+  for (int r = 0; r < R; ++r) add_block<BITS>(a, rec, KB, kb, m0 + r, c, acc[r], sums);
+}
+
+// One row x column blocks [c0, c0 + C) of a record: quant_block<BITS, 1>'s integer sums for each
+// block (exact, so the same), but K quads outer and blocks inner, reading the record in order.
+template <int BITS, int C>
+inline void quant_row(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
+                      int64_t m, int c0, float* sums) {
+  constexpr int64_t header = BITS == 8 ? 128 : 192;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* xr = a.q.data() + m * KB * 32 + kb * 32;
+  __m256i acc[C][2];
+  for (int c = 0; c < C; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_si256();
+  for (int kq = 0; kq < (BITS == 8 ? 8 : 4); ++kq) {
+    int32_t quad;
+    std::memcpy(&quad, xr + kq * 4, sizeof(quad));
+    const __m256i xb = _mm256_set1_epi32(quad);
+    std::memcpy(&quad, xr + (BITS == 8 ? 0 : 16) + kq * 4, sizeof(quad));
+    const __m256i xh = _mm256_set1_epi32(quad);  // int4: the high nibbles' K
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* p = rec + header + (kq * 4 + c0 + c) * 64;
+      for (int h = 0; h < 2; ++h) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+        __m256i pairs;
+        if (BITS == 8) {
+          const __m256i w = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80)));
+          pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xb, w));
+        } else {
+          const __m256i low4 = _mm256_set1_epi8(0x0F);
+          pairs = _mm256_add_epi16(
+              _mm256_maddubs_epi16(_mm256_and_si256(raw, low4), xb),
+              _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4), xh));
+        }
+        acc[c][h] = _mm256_add_epi32(acc[c][h], _mm256_madd_epi16(pairs, ones));
+      }
     }
   }
+  for (int c = 0; c < C; ++c) add_block<BITS>(a, rec, KB, kb, m, c0 + c, acc[c], sums);
 }
 
 // Every row x column blocks [c0, c0 + C) of group g: K blocks in order, the columns and every row
@@ -620,15 +663,17 @@ void quant_group(const QuantizedActivations& a, int64_t M, const uint8_t* W, int
     for (int64_t off = 0; off < record; off += 64) {  // (past the tensor's end: no fault)
       _mm_prefetch(reinterpret_cast<const char*>(rec) + kPrefetchQuant + off, _MM_HINT_T0);
     }
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) {
+      for (int c = c0; c < c0 + C; ++c) quant_block<BITS, 4>(a, rec, KB, kb, m, c, sp);
+    }
     for (int c = c0; c < c0 + C; ++c) {
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) quant_block<BITS, 4>(a, rec, KB, kb, m, c, sp);
-      switch (M - m) {
-        case 3: quant_block<BITS, 3>(a, rec, KB, kb, m, c, sp); break;
-        case 2: quant_block<BITS, 2>(a, rec, KB, kb, m, c, sp); break;
-        case 1: quant_block<BITS, 1>(a, rec, KB, kb, m, c, sp); break;
-        default: break;
-      }
+      if (M - m == 3) quant_block<BITS, 3>(a, rec, KB, kb, m, c, sp);
+      if (M - m == 2) quant_block<BITS, 2>(a, rec, KB, kb, m, c, sp);
+    }
+    if (M - m == 1) {  // a row alone (every decode step of one sequence): the record in order
+      if (C == 4) quant_row<BITS, 4>(a, rec, KB, kb, m, c0, sp);
+      else quant_row<BITS, 2>(a, rec, KB, kb, m, c0, sp);
     }
   }
   for (int64_t m = 0; m < M; ++m) {
