@@ -277,6 +277,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 
 struct AttentionScratch {  // one thread's, reused across items
   std::vector<float> scores;  // [group][kChunkTokens]
+  int64_t slots[kChunkTokens + kAheadTokens];  // the item's tokens' cache slots (ChunkReader)
   std::vector<__m256> qv, acc;
 };
 
@@ -285,36 +286,29 @@ struct AttentionScratch {  // one thread's, reused across items
 // and written out), as cpu_kernels.cpp's attend_chunk.
 template <typename T, typename C>
 void attend_chunk(const AttentionArgs<T, C>& a, AttentionPlan& plan, int64_t item,
-                  AttentionScratch& scratch) {
-  std::vector<float>& scores = scratch.scores;
-  std::vector<__m256>&qv = scratch.qv, &acc = scratch.acc;
-  const int64_t group = a.Hq / a.Hkv, D = a.D, dv = D / kLanes, Hkv = a.Hkv, bs = a.block_size;
-  const int64_t b = std::upper_bound(plan.first.begin(), plan.first.end(), item) - plan.first.begin() - 1;
-  const int64_t chunks = (plan.first[b + 1] - plan.first[b]) / Hkv;
-  const int64_t h = (item - plan.first[b]) / chunks, c = (item - plan.first[b]) % chunks;
-  const int64_t len = a.lens[b];
-  const int64_t begin = (a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0) + c * kChunkTokens;
-  const int64_t n = std::min(kChunkTokens, len - begin);
-  qv.resize(group * dv);
-  acc.resize(group * dv);
-  scores.resize(group * kChunkTokens);
+                  AttentionScratch& s) {
+  const ChunkReader<T, C> chunk(a, plan, item, s.slots);
+  const int64_t group = a.Hq / a.Hkv, D = a.D, dv = D / kLanes, b = chunk.b, h = chunk.h, n = chunk.n;
+  s.qv.resize(group * dv);
+  s.acc.resize(group * dv);
+  s.scores.resize(group * kChunkTokens);
+  float* scores = s.scores.data();
+  __m256* qv = s.qv.data();
+  __m256* acc = s.acc.data();
   for (int64_t g = 0; g < group; ++g) {
     const T* qrow = a.q + b * a.q_row + (h * group + g) * a.q_head;
     for (int64_t d = 0; d < dv; ++d) qv[g * dv + d] = _mm256_mul_ps(load8(qrow + d * kLanes), _mm256_set1_ps(a.scale));
   }
-  auto row_of = [&](const C* base, int64_t i) {
-    const int64_t t = begin + i;
-    return base + ((a.tables[b * a.nb + t / bs] * bs + t % bs) * Hkv + h) * D;
-  };
-  auto scale_of = [&](const float* scales, int64_t i) {
-    const int64_t t = begin + i;
-    return scales ? scales[(a.tables[b * a.nb + t / bs] * bs + t % bs) * Hkv + h] : 1.0f;
+  // token i's K or V row as floats; its fp8 scale (1 otherwise)
+  auto load_token = [&](bool keys, int64_t i, __m256* regs) {
+    float scale;
+    const C* row = chunk.row(keys, i, scale);
+    for (int64_t d = 0; d < dv; ++d) regs[d] = load8(row + d * kLanes);
+    return scale;
   };
   __m256 reg[32];
   for (int64_t i = 0; i < n; ++i) {
-    const C* row = row_of(a.keys, i);
-    for (int64_t d = 0; d < dv; ++d) reg[d] = load8(row + d * kLanes);
-    const float ks = scale_of(a.key_scales, i);
+    const float ks = load_token(true, i, reg);
     for (int64_t g = 0; g < group; ++g) {
       __m256 dot = _mm256_mul_ps(qv[g * dv], reg[0]);
       for (int64_t d = 1; d < dv; ++d) dot = _mm256_fmadd_ps(qv[g * dv + d], reg[d], dot);
@@ -323,22 +317,20 @@ void attend_chunk(const AttentionArgs<T, C>& a, AttentionPlan& plan, int64_t ite
   }
   float* part = plan.parts.data() + item * group * (D + 2);  // [g][m, l, acc...]
   for (int64_t g = 0; g < group; ++g) {
-    const auto [m, l] = exp_shifted(scores.data() + g * kChunkTokens, n);
+    const auto [m, l] = exp_shifted(scores + g * kChunkTokens, n);
     part[g * (D + 2)] = m;
     part[g * (D + 2) + 1] = l;
     for (int64_t d = 0; d < dv; ++d) acc[g * dv + d] = _mm256_setzero_ps();
   }
   for (int64_t i = 0; i < n; ++i) {
-    const C* row = row_of(a.values, i);
-    for (int64_t d = 0; d < dv; ++d) reg[d] = load8(row + d * kLanes);
-    const float vs = scale_of(a.value_scales, i);
+    const float vs = load_token(false, i, reg);
     for (int64_t g = 0; g < group; ++g) {
       const __m256 p = _mm256_set1_ps(scores[g * kChunkTokens + i] * vs);
       for (int64_t d = 0; d < dv; ++d) acc[g * dv + d] = _mm256_fmadd_ps(p, reg[d], acc[g * dv + d]);
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    if (chunks == 1) {
+    if (chunk.chunks == 1) {
       const __m256 inv = _mm256_set1_ps(1.0f / part[g * (D + 2) + 1]);
       T* orow = a.out + (b * a.Hq + h * group + g) * D;
       for (int64_t d = 0; d < dv; ++d) store8(orow + d * kLanes, _mm256_mul_ps(acc[g * dv + d], inv));

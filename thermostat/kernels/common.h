@@ -237,6 +237,64 @@ struct AttentionPlan {
   int64_t items() const { return first.back(); }
 };
 
+constexpr int64_t kAheadTokens = 8;  // decode attention prefetches K/V rows this far ahead
+
+// One item of the plan (row b, KV head h, chunk c of the row's `chunks`, n tokens) and where its
+// tokens lie in the cache: the slot of each token of the chunk and of the next chunk's first
+// kAheadTokens, found once (a division per token cost more than the math). `row` is token i's K
+// or V row; it prefetches the row kAheadTokens further on in the order they are read (the chunk's
+// keys, its values, then the next chunk's keys: usually the thread's next item). Reading the rows
+// without it waits on memory token by token: 2.5x slower on an AVX2 EPYC.
+template <typename T, typename C>
+class ChunkReader {
+ public:
+  using Slots = int64_t[kChunkTokens + kAheadTokens];
+  int64_t b, h, c, chunks, n;
+
+  ChunkReader(const AttentionArgs<T, C>& a, const AttentionPlan& plan, int64_t item, Slots& slots)
+      : a_(a), slots_(slots) {
+    b = std::upper_bound(plan.first.begin(), plan.first.end(), item) - plan.first.begin() - 1;
+    chunks = (plan.first[b + 1] - plan.first[b]) / a.Hkv;
+    h = (item - plan.first[b]) / chunks;
+    c = (item - plan.first[b]) % chunks;
+    const int64_t len = a.lens[b], bs = a.block_size;
+    const int64_t begin = (a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0) + c * kChunkTokens;
+    n = std::min(kChunkTokens, len - begin);
+    ahead_ = std::min(n + kAheadTokens, len - begin);
+    for (int64_t i = 0, blk = begin / bs, off = begin % bs; i < ahead_; ++i) {
+      slots_[i] = a.tables[b * a.nb + blk] * bs + off;
+      if (++off == bs) off = 0, ++blk;
+    }
+    if (c == 0) {  // the row's first chunk: nothing read before it prefetched its keys
+      for (int64_t i = 0; i < std::min(kAheadTokens, n); ++i) prefetch(a.keys, i);
+    }
+  }
+
+  // token i's K (keys) or V row; its fp8 scale (1 for other caches) into `scale`
+  const C* row(bool keys, int64_t i, float& scale) const {
+    const int64_t j = i + kAheadTokens;
+    if (j < n) prefetch(keys ? a_.keys : a_.values, j);
+    else if (keys && j - n < n) prefetch(a_.values, j - n);
+    else if (!keys && j < ahead_) prefetch(a_.keys, j);
+    const int64_t at = slots_[i] * a_.Hkv + h;
+    const float* scales = keys ? a_.key_scales : a_.value_scales;
+    scale = scales ? scales[at] : 1.0f;
+    return (keys ? a_.keys : a_.values) + at * a_.D;
+  }
+
+ private:
+  void prefetch(const C* base, int64_t i) const {
+    const char* p = reinterpret_cast<const char*>(base + (slots_[i] * a_.Hkv + h) * a_.D);
+    for (int64_t off = 0; off < a_.D * static_cast<int64_t>(sizeof(C)); off += 64) {
+      __builtin_prefetch(p + off, 0, 3);
+    }
+  }
+
+  const AttentionArgs<T, C>& a_;
+  Slots& slots_;
+  int64_t ahead_;
+};
+
 template <typename T, typename C>
 AttentionArgs<T, C> attention_args(const torch::Tensor& q, const torch::Tensor& key_cache,
                                    const torch::Tensor& value_cache, const torch::Tensor& key_scale,

@@ -284,19 +284,9 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 //
 // write_kv, the attention plan (chunks of kChunkTokens, merged in order) and the checks: common.h.
 
-constexpr int64_t kAheadTokens = 8;  // decode attention prefetches the K/V row this far ahead
-
-template <typename C>
-inline void prefetch_row(const C* base, int64_t slot, int64_t Hkv, int64_t h, int64_t D) {
-  const char* row = reinterpret_cast<const char*>(base + (slot * Hkv + h) * D);
-  for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(C)); off += 64) {
-    _mm_prefetch(row + off, _MM_HINT_T0);
-  }
-}
-
 struct AttentionScratch {  // one thread's, reused across items
   std::vector<float> scores;  // [group][kChunkTokens]
-  int64_t slots[kChunkTokens + kAheadTokens];  // the chunk's tokens, then the next chunk's first
+  int64_t slots[kChunkTokens + kAheadTokens];  // the item's tokens' cache slots (ChunkReader)
   std::vector<__m512> qv, acc;
 };
 
@@ -305,13 +295,8 @@ struct AttentionScratch {  // one thread's, reused across items
 template <typename T, typename C>
 void attend_chunk(const AttentionArgs<T, C>& a, AttentionPlan& plan, int64_t item,
                   AttentionScratch& s) {
-  const int64_t group = a.Hq / a.Hkv, D = a.D, dv = D / kLanes, Hkv = a.Hkv, bs = a.block_size;
-  const int64_t b = std::upper_bound(plan.first.begin(), plan.first.end(), item) - plan.first.begin() - 1;
-  const int64_t chunks = (plan.first[b + 1] - plan.first[b]) / Hkv;
-  const int64_t h = (item - plan.first[b]) / chunks, c = (item - plan.first[b]) % chunks;
-  const int64_t len = a.lens[b];
-  const int64_t begin = (a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0) + c * kChunkTokens;
-  const int64_t n = std::min(kChunkTokens, len - begin);
+  const ChunkReader<T, C> chunk(a, plan, item, s.slots);
+  const int64_t group = a.Hq / a.Hkv, D = a.D, dv = D / kLanes, b = chunk.b, h = chunk.h, n = chunk.n;
   s.qv.resize(group * dv);
   s.acc.resize(group * dv);
   s.scores.resize(group * kChunkTokens);
@@ -324,31 +309,13 @@ void attend_chunk(const AttentionArgs<T, C>& a, AttentionPlan& plan, int64_t ite
       qv[g * dv + d] = _mm512_mul_ps(load16(qrow + d * kLanes), _mm512_set1_ps(a.scale));
     }
   }
-  // cache slot of every token of the chunk and of the next chunk's first kAheadTokens (no
-  // division per token: it cost more than the math)
-  int64_t* slots = s.slots;
-  const int64_t ahead = std::min(n + kAheadTokens, len - begin);
-  for (int64_t i = 0, blk = begin / bs, off = begin % bs; i < ahead; ++i) {
-    slots[i] = a.tables[b * a.nb + blk] * bs + off;
-    if (++off == bs) off = 0, ++blk;
-  }
-  // Token i's row of K or V as floats, prefetching kAheadTokens ahead in the order the rows are
-  // read: the chunk's keys, its values, then the next chunk's keys (the thread's next item,
-  // usually). Returns the token's fp8 scale (1 otherwise).
+  // token i's K or V row as floats; its fp8 scale (1 otherwise)
   auto load_token = [&](bool keys, int64_t i, __m512* regs) {
-    const C* base = keys ? a.keys : a.values;
-    const float* scales = keys ? a.key_scales : a.value_scales;
-    const int64_t j = i + kAheadTokens;
-    if (j < n) prefetch_row(base, slots[j], Hkv, h, D);
-    else if (keys && j - n < n) prefetch_row(a.values, slots[j - n], Hkv, h, D);
-    else if (!keys && j < ahead) prefetch_row(a.keys, slots[j], Hkv, h, D);
-    const C* row = base + (slots[i] * Hkv + h) * D;
+    float scale;
+    const C* row = chunk.row(keys, i, scale);
     for (int64_t d = 0; d < dv; ++d) regs[d] = load16(row + d * kLanes);
-    return scales ? scales[slots[i] * Hkv + h] : 1.0f;
+    return scale;
   };
-  if (c == 0) {
-    for (int64_t i = 0; i < std::min(kAheadTokens, n); ++i) prefetch_row(a.keys, slots[i], Hkv, h, D);
-  }
   // scores = q . k for every token, read in place through the block table
   __m512 reg[16];
   for (int64_t i = 0; i < n; ++i) {
@@ -375,7 +342,7 @@ void attend_chunk(const AttentionArgs<T, C>& a, AttentionPlan& plan, int64_t ite
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    if (chunks == 1) {  // the whole row: normalized here, as merge_chunks would (the same bits)
+    if (chunk.chunks == 1) {  // the whole row: normalized here, as merge_chunks would (the same bits)
       const __m512 inv = _mm512_set1_ps(1.0f / part[g * (D + 2) + 1]);
       T* orow = a.out + (b * a.Hq + h * group + g) * D;
       for (int64_t d = 0; d < dv; ++d) store16(orow + d * kLanes, _mm512_mul_ps(acc[g * dv + d], inv));
