@@ -92,6 +92,12 @@ inline float hadd(__m256 v) {
 // exp(x) as cpu_kernels.cpp's exp_ps (the same polynomial), with 2^n built in the exponent bits:
 // inputs are clamped to [-87, 88.8] (below, exp is under float's normal range; the result is
 // then ~1e-38 instead of a subnormal or 0, where every use here adds it to 1 or a larger sum).
+// the sums of 4 vectors' lanes, each added in the same order as its neighbours'
+inline __m128 hadd4(const __m256 (&v)[4]) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
 inline __m256 exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.8f));
   const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
@@ -278,8 +284,42 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 struct AttentionScratch {  // one thread's, reused across items
   std::vector<float> scores;  // [group][kChunkTokens]
   int64_t slots[kChunkTokens + kAheadTokens];  // the item's tokens' cache slots (ChunkReader)
-  std::vector<__m256> qv, acc;
+  std::vector<__m256> qv;
+  std::vector<float> keys;  // 4 tokens' key rows as floats
 };
+
+// Query heads [g0, g0 + G) x vectors [d0, d0 + V) of sum exp(s_i - m) v_i over the chunk's
+// tokens in order (scores holds exp(s - m)), into the plan's parts, or, for a row of one chunk,
+// divided by l into the output.
+template <int G, int V, typename T, typename C>
+inline void value_tile(const AttentionArgs<T, C>& a, const ChunkReader<T, C>& chunk,
+                       const float* scores, float* part, int64_t g0, int64_t d0) {
+  const int64_t D = a.D;
+  __m256 acc[G][V];
+  for (int g = 0; g < G; ++g) {
+    for (int j = 0; j < V; ++j) acc[g][j] = _mm256_setzero_ps();
+  }
+  for (int64_t i = 0; i < chunk.n; ++i) {
+    float vs;
+    const C* row = chunk.row(false, i, vs) + d0 * kLanes;
+    __m256 v[V];
+    for (int j = 0; j < V; ++j) v[j] = load8(row + j * kLanes);
+    for (int g = 0; g < G; ++g) {
+      const __m256 p = _mm256_set1_ps(scores[(g0 + g) * kChunkTokens + i] * vs);
+      for (int j = 0; j < V; ++j) acc[g][j] = _mm256_fmadd_ps(p, v[j], acc[g][j]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float* gp = part + (g0 + g) * (D + 2);
+    if (chunk.chunks == 1) {
+      const __m256 inv = _mm256_set1_ps(1.0f / gp[1]);
+      T* orow = a.out + (chunk.b * a.Hq + chunk.h * (a.Hq / a.Hkv) + g0 + g) * D + d0 * kLanes;
+      for (int j = 0; j < V; ++j) store8(orow + j * kLanes, _mm256_mul_ps(acc[g][j], inv));
+    } else {
+      for (int j = 0; j < V; ++j) _mm256_storeu_ps(gp + 2 + (d0 + j) * kLanes, acc[g][j]);
+    }
+  }
+}
 
 // Item `item` of the plan (row, KV head, chunk): for each query head of the KV head's group the
 // chunk's max score m, l = sum exp(s - m) and sum exp(s - m) v (a row of one chunk: normalized
@@ -290,29 +330,37 @@ void attend_chunk(const AttentionArgs<T, C>& a, AttentionPlan& plan, int64_t ite
   const ChunkReader<T, C> chunk(a, plan, item, s.slots);
   const int64_t group = a.Hq / a.Hkv, D = a.D, dv = D / kLanes, b = chunk.b, h = chunk.h, n = chunk.n;
   s.qv.resize(group * dv);
-  s.acc.resize(group * dv);
   s.scores.resize(group * kChunkTokens);
+  s.keys.resize(4 * D);
   float* scores = s.scores.data();
   __m256* qv = s.qv.data();
-  __m256* acc = s.acc.data();
   for (int64_t g = 0; g < group; ++g) {
     const T* qrow = a.q + b * a.q_row + (h * group + g) * a.q_head;
     for (int64_t d = 0; d < dv; ++d) qv[g * dv + d] = _mm256_mul_ps(load8(qrow + d * kLanes), _mm256_set1_ps(a.scale));
   }
-  // token i's K or V row as floats; its fp8 scale (1 otherwise)
-  auto load_token = [&](bool keys, int64_t i, __m256* regs) {
-    float scale;
-    const C* row = chunk.row(keys, i, scale);
-    for (int64_t d = 0; d < dv; ++d) regs[d] = load8(row + d * kLanes);
-    return scale;
-  };
-  __m256 reg[32];
-  for (int64_t i = 0; i < n; ++i) {
-    const float ks = load_token(true, i, reg);
+  // scores = q . k by 4 tokens: their rows widened once, then for each query head 4 independent
+  // dot products (one token at a time waits on each multiply-add's latency: ~2x slower)
+  float* kf = s.keys.data();  // [4][D]
+  alignas(16) float ks[4];
+  for (int64_t i0 = 0; i0 < n; i0 += 4) {
+    const int64_t m = std::min<int64_t>(4, n - i0);
+    for (int64_t t = 0; t < 4; ++t) {
+      ks[t] = 0.0f;
+      const C* row = t < m ? chunk.row(true, i0 + t, ks[t]) : nullptr;
+      for (int64_t d = 0; d < dv; ++d) {
+        _mm256_storeu_ps(kf + t * D + d * kLanes, row ? load8(row + d * kLanes) : _mm256_setzero_ps());
+      }
+    }
     for (int64_t g = 0; g < group; ++g) {
-      __m256 dot = _mm256_mul_ps(qv[g * dv], reg[0]);
-      for (int64_t d = 1; d < dv; ++d) dot = _mm256_fmadd_ps(qv[g * dv + d], reg[d], dot);
-      scores[g * kChunkTokens + i] = hadd(dot) * ks;
+      const __m256* qg = qv + g * dv;
+      __m256 dot[4];
+      for (int t = 0; t < 4; ++t) dot[t] = _mm256_mul_ps(qg[0], _mm256_loadu_ps(kf + t * D));
+      for (int64_t d = 1; d < dv; ++d) {
+        for (int t = 0; t < 4; ++t) dot[t] = _mm256_fmadd_ps(qg[d], _mm256_loadu_ps(kf + t * D + d * kLanes), dot[t]);
+      }
+      alignas(16) float out[4];
+      _mm_store_ps(out, _mm_mul_ps(hadd4(dot), _mm_load_ps(ks)));
+      std::memcpy(scores + g * kChunkTokens + i0, out, m * sizeof(float));
     }
   }
   float* part = plan.parts.data() + item * group * (D + 2);  // [g][m, l, acc...]
@@ -320,22 +368,15 @@ void attend_chunk(const AttentionArgs<T, C>& a, AttentionPlan& plan, int64_t ite
     const auto [m, l] = exp_shifted(scores + g * kChunkTokens, n);
     part[g * (D + 2)] = m;
     part[g * (D + 2) + 1] = l;
-    for (int64_t d = 0; d < dv; ++d) acc[g * dv + d] = _mm256_setzero_ps();
   }
-  for (int64_t i = 0; i < n; ++i) {
-    const float vs = load_token(false, i, reg);
-    for (int64_t g = 0; g < group; ++g) {
-      const __m256 p = _mm256_set1_ps(scores[g * kChunkTokens + i] * vs);
-      for (int64_t d = 0; d < dv; ++d) acc[g * dv + d] = _mm256_fmadd_ps(p, reg[d], acc[g * dv + d]);
-    }
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    if (chunk.chunks == 1) {
-      const __m256 inv = _mm256_set1_ps(1.0f / part[g * (D + 2) + 1]);
-      T* orow = a.out + (b * a.Hq + h * group + g) * D;
-      for (int64_t d = 0; d < dv; ++d) store8(orow + d * kLanes, _mm256_mul_ps(acc[g * dv + d], inv));
-    } else {
-      for (int64_t d = 0; d < dv; ++d) _mm256_storeu_ps(part + g * (D + 2) + 2 + d * kLanes, acc[g * dv + d]);
+  // sum exp(s_i - m) v_i by tiles of up to 3 query heads x 4 vectors, the tile's sums in registers
+  for (int64_t g0 = 0; g0 < group; g0 += 3) {
+    for (int64_t d0 = 0; d0 < dv; d0 += 4) {
+      const int64_t heads = std::min<int64_t>(3, group - g0);
+      const bool four = dv - d0 >= 4;  // else 2 (D is a multiple of 16)
+      if (heads == 3) four ? value_tile<3, 4>(a, chunk, scores, part, g0, d0) : value_tile<3, 2>(a, chunk, scores, part, g0, d0);
+      else if (heads == 2) four ? value_tile<2, 4>(a, chunk, scores, part, g0, d0) : value_tile<2, 2>(a, chunk, scores, part, g0, d0);
+      else four ? value_tile<1, 4>(a, chunk, scores, part, g0, d0) : value_tile<1, 2>(a, chunk, scores, part, g0, d0);
     }
   }
 }
