@@ -14,6 +14,7 @@ from thermostat.disagg.handoff import disagreements, fingerprint
 from thermostat.engine.loader import ModelLoadError
 from thermostat.models.quant import (
     QuantizedWeight,
+    grid_step,
     quantize,
     quantize_int4,
     quantize_int8,
@@ -69,6 +70,48 @@ def test_a_checkpoints_grid_comes_back_exactly():
     zero = torch.randint(0, 16, (16, 2, 1), generator=g)
     gptq = (torch.randint(0, 16, (16, 2, 128), generator=g) - zero) * scale[..., None]
     assert torch.equal(quantize(gptq.view(16, 256), "int4").dequantize(), gptq.view(16, 256))
+
+
+def grid_blocks() -> torch.Tensor:
+    """Blocks [B, 32] of every kind grid_step tells apart: float weights (off every grid), the
+    grids of q8_0, q4_0, GPTQ-style zero points and per-channel int8 (whose smallest gap is 2, 3
+    or 4 steps), ties of round-half-even, values at the ranges' ends, zeros, inf and NaN."""
+    g = torch.Generator().manual_seed(3)
+    d = (torch.rand(64, 1, generator=g) * 0.1 + 0.001).half().float()
+    kinds = [
+        torch.randn(256, 32, generator=g),
+        torch.randn(64, 32, generator=g).bfloat16().float() * 1e-3,
+        torch.randint(-128, 128, (64, 32), generator=g) * d,  # q8_0 (and -128)
+        (torch.randint(0, 16, (64, 32), generator=g) - 8) * d,  # q4_0
+        (torch.randint(0, 16, (64, 32), generator=g) - torch.randint(-3, 19, (64, 1))) * d,
+        *((torch.randint(-30, 30, (64, 32), generator=g) * m + 1) * d for m in (2, 3, 4)),
+        torch.randint(-20, 20, (64, 32), generator=g) * d * 5,  # gaps of 5 steps: off the divisors
+        (torch.arange(32) - 16.0).expand(4, 32) * torch.tensor([[0.1], [0.5], [1.0], [1 / 3]]),
+        torch.tensor([[127.0] * 16 + [-128.0] * 16, [7.0] * 16 + [-8.0] * 16, [0.5, 1.5] * 16]),
+        torch.zeros(2, 32),
+    ]
+    special = torch.randn(3, 32, generator=g)
+    special[0, 3], special[1, 0], special[2, 31] = float("inf"), float("nan"), float("-inf")
+    blocks = torch.cat([*kinds, special])
+    near = blocks[320:384].clone()
+    near[:, 7] += d[:, 0] * 0.0009  # within the 1e-3 tolerance of the grid
+    far = blocks[320:384].clone()
+    far[:, 7] += d[:, 0] * 0.002  # outside it
+    return torch.cat([blocks, near, far]).float().contiguous()
+
+
+@pytest.mark.parametrize("affine", [False, True])
+def test_the_compiled_grid_search_is_the_tensor_one(ops, affine):
+    """The kernels' grid_steps (what quantizing at load uses) gives the tensor version's steps,
+    bit for bit, on every kind of block; and it finds the grids it should."""
+    blocks = grid_blocks()
+    want = grid_step(blocks, affine)
+    got = grid_step(blocks, affine, ops)
+    assert torch.equal(got, want)
+    assert (want[:320] == 0).all()  # float weights
+    assert (want[320:384] > 0).all() != affine and (want[384:448] > 0).all()  # q8_0, q4_0
+    with pytest.raises(ValueError, match="grid_steps"):
+        ops.grid_steps(blocks[:, :16], affine)
 
 
 def test_int4_of_a_block_far_from_zero_stays_close():

@@ -66,6 +66,11 @@ class LinearOps:
 
     module: ModuleType
 
+    def grid_steps(self, blocks: torch.Tensor, affine: bool) -> torch.Tensor:
+        """quant.grid_step of blocks [B, 32] float32 (contiguous), compiled: [B]."""
+        y: torch.Tensor = self.module.grid_steps(blocks, affine)
+        return y
+
     def pack_vnni(self, weight: torch.Tensor) -> torch.Tensor:
         """bf16 weight [N, K] -> the blocked layout `linear_vnni` reads (N, K padded)."""
         y: torch.Tensor = self.module.pack_vnni(weight)

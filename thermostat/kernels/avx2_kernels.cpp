@@ -790,6 +790,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil);
   m.def("uses_amx", &uses_amx, "whether linear_vnni runs on AMX tiles here (never: AVX2)");
   m.def("quant_rows", &quant_rows, "rows of an int8 / 4-bit packed weight, dequantized", nogil);
+  m.def("grid_steps", &grid_steps, "the integer grid step of each block of 32 (0: none)", nogil);
   m.def("linear_quant", &linear_quant, "x W^T + b with int8 / 4-bit weights in blocks of 32",
         nogil);
   def_decode_stack(m);

@@ -28,6 +28,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -138,6 +139,57 @@ torch::Tensor quant_rows(torch::Tensor packed, torch::Tensor ids, int64_t n, int
           const uint8_t byte = rec[layout.header + ((kq * 4 + c) * 16 + j) * 4 + part];
           const int q = bits == 8 ? byte : (i < 16 ? byte & 15 : byte >> 4);
           op[t * k + kb * 32 + i] = static_cast<scalar_t>((static_cast<float>(q) - z) * d);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// Whether every value of a block of 32 is step * j for integers j the format holds (|value / step
+// - j| <= 1e-3; int8: j in [-128, 127]; affine int4: max j - min j <= 15, |min j| <= 127).
+inline bool on_grid(const float* v, float step, bool affine) {
+  float lo = INFINITY, hi = -INFINITY;
+  for (int i = 0; i < 32; ++i) {
+    const float ratio = v[i] / step, j = std::nearbyint(ratio);  // half to even, as torch.round
+    if (!(std::fabs(ratio - j) <= 1e-3f)) return false;
+    lo = std::min(lo, j);
+    hi = std::max(hi, j);
+  }
+  return affine ? hi - lo <= 15 && std::fabs(lo) <= 127 : lo >= -128 && hi <= 127;
+}
+
+// blocks [B, 32] float32 -> [B]: quant.grid_step, the step of the integer grid each block lies on
+// (0 where none): the smallest gap or nonzero |value|, or that / 2, 3 or 4, the first that fits.
+// The same float operations per block, ~5x faster than the tensor version (135M weights: 2.0 vs
+// 11.3 s on a 2-core EPYC), which quantizing at load runs over every weight.
+torch::Tensor grid_steps(torch::Tensor blocks, bool affine) {
+  TORCH_CHECK_VALUE(blocks.dim() == 2 && blocks.size(1) == 32 && blocks.is_contiguous() &&
+                        blocks.scalar_type() == at::kFloat,
+                    "grid_steps: blocks must be [B, 32] float32, contiguous");
+  const int64_t B = blocks.size(0);
+  auto out = torch::empty({B}, blocks.options());
+  const float* bp = blocks.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B, 4096, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const float* v = bp + i * 32;
+      float sorted[32];
+      std::memcpy(sorted, v, sizeof(sorted));
+      op[i] = 0.0f;
+      if (!std::all_of(sorted, sorted + 32, [](float x) { return std::isfinite(x); })) continue;
+      std::sort(sorted, sorted + 32);
+      float smallest = INFINITY;
+      for (int k = 0; k < 32; ++k) {
+        if (k > 0 && sorted[k] - sorted[k - 1] > 0) smallest = std::min(smallest, sorted[k] - sorted[k - 1]);
+        if (sorted[k] != 0) smallest = std::min(smallest, std::fabs(sorted[k]));
+      }
+      if (!std::isfinite(smallest)) continue;  // every value 0
+      for (const float divisor : {1.0f, 2.0f, 3.0f, 4.0f}) {
+        const float step = divisor == 1.0f ? smallest : smallest / divisor;
+        if (on_grid(v, step, affine)) {
+          op[i] = step;
+          break;
         }
       }
     }

@@ -154,7 +154,7 @@ def quantized_linear(linear: nn.Module, fmt: str, ops: LinearOps) -> QuantLinear
     """An nn.Linear or PackedLinear (weight and bias) as a QuantLinear in `fmt`."""
     source = linear.bias
     bias = source.detach().clone() if isinstance(source, torch.Tensor) else None
-    return QuantLinear(quantize(weight_of(linear), fmt), bias, ops)
+    return QuantLinear(quantize(weight_of(linear), fmt, ops), bias, ops)
 
 
 def quantize_linears(module: nn.Module, fmt: str, ops: LinearOps, skip: tuple[type, ...]) -> int:

@@ -142,7 +142,7 @@ class Experts(nn.Module):
         """Every expert's two projections in `fmt` (packed experts are left to the caller's
         pass over the model's PackedLinears)."""
         if self.per_expert is None:
-            self._split(lambda w: QuantLinear(quantize(w, fmt), None, ops))
+            self._split(lambda w: QuantLinear(quantize(w, fmt, ops), None, ops))
 
     def _split(self, make: Callable[[torch.Tensor], nn.Module]) -> None:
         gate_up, down = self.gate_up_proj.detach(), self.down_proj.detach()

@@ -12,26 +12,30 @@ grid (dequantized from one of those checkpoints) finds the grid and gives its in
 q = -128 appears only where a checkpoint's grid has it (compressed-tensors' symmetric int8 rounds
 -127.5 steps to -128); the kernel stores q + 128 as an unsigned byte, so it costs nothing.
 
-Everything here is pure tensor math: `quantize_*` turn a float weight into (q, d[, z]),
-`QuantizedWeight.pack` lays them out for the kernel (thermostat.kernels `linear_quant`, whose
-comment gives the layout), `dequantize` and `reference_linear` are the float reference the kernel
-is tested against: activations quantized per row and block as q8_0 does (s = max|x| / 127,
-xq = x / s rounded to nearest even), integer dot products per block, then the block's scales.
+Everything here is tensor math (with the kernels, `grid_step` runs compiled): `quantize_*` turn
+a float weight into (q, d[, z]), `QuantizedWeight.pack` lays them out for the kernel
+(thermostat.kernels `linear_quant`, whose comment gives the layout), `dequantize` and
+`reference_linear` are the float reference the kernel is tested against: activations quantized
+per row and block as q8_0 does (s = max|x| / 127, xq = x / s rounded to nearest even), integer
+dot products per block, then the block's scales.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from thermostat.kernels import LinearOps
 
 BLOCK = 32  # weights per scale, along K
 Bits = Literal[8, 4]
 FORMATS: dict[str, Bits] = {"int8": 8, "int4": 4}
 
 
-def grid_step(blocks: torch.Tensor, affine: bool) -> torch.Tensor:
+def grid_step(blocks: torch.Tensor, affine: bool, ops: LinearOps | None = None) -> torch.Tensor:
     """The step of an integer grid through 0 that each block [B, 32] of float32 values already
     lies on, 0 where none fits the format: every value step * j for integers j in [-128, 127]
     (int8) or with max j - min j <= 15 (int4). A weight dequantized from q8_0, q4_0, GPTQ, AWQ
@@ -39,7 +43,11 @@ def grid_step(blocks: torch.Tensor, affine: bool) -> torch.Tensor:
 
     The step is the smallest gap or nonzero |value|, or that divided by 2, 3 or 4 (a block of a
     per-channel int8 grid may hold no two neighbouring integers: its smallest gap is then 2, 3
-    or 4 steps); the divisors are tried only on blocks whose first values fit them."""
+    or 4 steps); the divisors are tried only on blocks whose first values fit them. With `ops`,
+    the kernels' `grid_steps` (the same float operations per block; this sorts every block of
+    the model: ~60% of a SmolLM2's load in int8 without them)."""
+    if ops is not None:
+        return ops.grid_steps(blocks.contiguous(), affine)
     ordered = blocks.sort(dim=-1).values
     gaps = ordered.diff(dim=-1)
     candidates = torch.cat(  # the step divides every gap and every value
@@ -75,26 +83,30 @@ def _on_grid(blocks: torch.Tensor, step: torch.Tensor, affine: bool) -> torch.Te
     return on_grid & (lo >= -128) & (hi <= 127)
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(
+    weight: torch.Tensor, ops: LinearOps | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] (K % 32 == 0) -> (q [N, K] int8 in [-128, 127], d [N, K / 32] float16):
     d = max|w| / 127 of each block (q8_0), or the block's own grid step where it has one
     (`grid_step`: only there can q be -128); rounded to float16 first, then q = round(w / d)."""
     blocks = weight.float().reshape(weight.shape[0], -1, BLOCK)
-    step = grid_step(blocks.reshape(-1, BLOCK), affine=False).view(blocks.shape[:2])
+    step = grid_step(blocks.reshape(-1, BLOCK), False, ops).view(blocks.shape[:2])
     d = torch.where(step > 0, step, blocks.abs().amax(dim=-1) / 127).half()
     inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
     q = torch.round(blocks * inv[..., None]).clamp(-128, 127)
     return q.reshape(weight.shape).to(torch.int8), d
 
 
-def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_int4(
+    weight: torch.Tensor, ops: LinearOps | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [N, K] (K % 32 == 0) -> (q [N, K] uint8 in [0, 15], d [N, K / 32] float16,
     z [N, K / 32] int8): the block's own grid where it has one (`grid_step`), else its range
     [min, max] in 15 steps with z = round(-min / d) (a block far from 0, which no int8 zero
     point reaches, takes the symmetric d = max|w| / 7, z = 8)."""
     blocks = weight.float().reshape(weight.shape[0], -1, BLOCK)
     lo, hi = blocks.amin(dim=-1), blocks.amax(dim=-1)
-    step = grid_step(blocks.reshape(-1, BLOCK), affine=True).view(blocks.shape[:2])
+    step = grid_step(blocks.reshape(-1, BLOCK), True, ops).view(blocks.shape[:2])
     on_grid = step > 0
     span = torch.where(on_grid, step, (hi - lo) / 15).half().float()
     safe = torch.where(span > 0, span, torch.ones_like(span))
@@ -230,16 +242,17 @@ def _row_major(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.permute(0, 2, 1).reshape(-1, t.shape[1])[:n]
 
 
-def quantize(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
-    """A float weight [N, K] in `fmt` ('int8' or 'int4'); K is padded with zeros to whole blocks."""
+def quantize(weight: torch.Tensor, fmt: str, ops: LinearOps | None = None) -> QuantizedWeight:
+    """A float weight [N, K] in `fmt` ('int8' or 'int4'); K is padded with zeros to whole blocks.
+    `ops`: the kernels, which find the grids faster (`grid_step`)."""
     n, k = weight.shape
     padded = torch.zeros(n, (k + BLOCK - 1) // BLOCK * BLOCK, dtype=torch.float32)
     padded[:, :k] = weight.float()
     if FORMATS[fmt] == 8:
-        q8, d = quantize_int8(padded)
+        q8, d = quantize_int8(padded, ops)
         packed = QuantizedWeight.pack(q8[:, :k], d)
     else:
-        q4, d, z = quantize_int4(padded)
+        q4, d, z = quantize_int4(padded, ops)
         packed = QuantizedWeight.pack(q4[:, :k], d, z)
     return packed
 

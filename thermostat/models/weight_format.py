@@ -68,7 +68,7 @@ def quantize_model(
     tied = embed is not None and bool(getattr(arch, "tie_word_embeddings", False))
     if isinstance(embed, (nn.Embedding, PackedEmbedding)):
         rows = embed.weight.detach() if isinstance(embed, nn.Embedding) else embed.table()
-        table = quantize(rows, "int8")
+        table = quantize(rows, "int8", ops)
         model.embed_tokens = QuantEmbedding(table, dtype or rows.dtype, ops)
         if tied:
             model.lm_head = QuantLinear(table, None, ops)
