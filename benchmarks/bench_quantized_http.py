@@ -65,12 +65,13 @@ def main() -> None:
     os.makedirs(os.path.join(PEERS_DIR, "results"), exist_ok=True)
     tok_json = os.path.join(PEERS_DIR, "models", f"{a.model}-fp32", "tokenizer.json")
     servers = []
+    per_slot = max(512, a.prompt_len + a.new_tokens + 64)  # llama-server splits -c among slots
     try:
         for t in a.types.split(","):
             model = q4_0_gguf(a.model) if t == "q4_0" else gguf_path(a.model, t)
             servers.append(start(f"llama-{t}", [
                 os.path.join(BIN_DIR, "llama-server"), "-m", model, "-t", str(a.threads),
-                "-tb", str(a.threads), "-c", str(max(concs) * 512), "-np", str(max(concs)),
+                "-tb", str(a.threads), "-c", str(max(concs) * per_slot), "-np", str(max(concs)),
                 "-b", "2048", "-ub", "512", "--host", "127.0.0.1", "--port", "{PORT}",
                 "--no-webui"]))  # fmt: skip
             servers[-1]["extra"] = {"ignore_eos": True, "cache_prompt": False}
