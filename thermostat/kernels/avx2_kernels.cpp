@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -579,70 +580,54 @@ void quantize_blocks(const T* xp, int64_t K, int64_t stride, int64_t KB, Quantiz
   }
 }
 
-// Row m's integer sums of column block c of one record (K block kb), its two halves, into the
+// Row m's integer sums of half h (8 outputs) of column block c of one record (K block kb) into the
 // row's running float sums (`sums`, [row][64]): common.h's float step.
 template <int BITS>
-inline void add_block(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
-                      int64_t m, int c, const __m256i (&acc)[2], float* sums) {
+inline void add_half(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
+                     int64_t m, int c, int h, __m256i acc, float* sums) {
   const int64_t j = m * KB + kb;
-  for (int h = 0; h < 2; ++h) {
-    const int lane = c * 16 + h * 8;
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 2 * lane)));
-    const __m256i z = BITS == 8 ? _mm256_setzero_si256()
-                                : _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 128 + lane)));
-    float* at = sums + m * 64 + lane;
-    const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(a.s[j]));
-    const __m256i fixed = _mm256_sub_epi32(acc[h], _mm256_mullo_epi32(z, _mm256_set1_epi32(a.sum[j])));
-    _mm256_storeu_ps(at, _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(fixed), _mm256_loadu_ps(at)));
-  }
+  const int lane = c * 16 + h * 8;
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 2 * lane)));
+  const __m256i z = BITS == 8 ? _mm256_setzero_si256()
+                              : _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 128 + lane)));
+  float* at = sums + m * 64 + lane;
+  const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(a.s[j]));
+  const __m256i fixed = _mm256_sub_epi32(acc, _mm256_mullo_epi32(z, _mm256_set1_epi32(a.sum[j])));
+  _mm256_storeu_ps(at, _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(fixed), _mm256_loadu_ps(at)));
 }
 
-// Rows [m0, m0 + R) x column block c (16 outputs) of one record (K block kb): the block's
-// integer sums in registers, then added into the rows' running float sums.
+// Rows [m0, m0 + R) x column block c (16 outputs) of one record (K block kb), a half (8 outputs)
+// at a time: the rows' integer sums stay in registers (both halves of 4 rows spilled), then are
+// added into the rows' running float sums. The integer sums are exact: any R, the same bits.
 template <int BITS, int R>
 inline void quant_block(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
-                        int64_t m0, int c, float* sums) {
+                        int64_t m0, int c, const int32_t* xt, float* sums) {
   constexpr int64_t header = BITS == 8 ? 128 : 192;
-  const int64_t Kp = KB * 32;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256i acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-  for (int kq = 0; kq < (BITS == 8 ? 8 : 4); ++kq) {
-    const uint8_t* p = rec + header + (kq * 4 + c) * 64;
-    __m256i w[2], w_abs[2], w_hi[2];
-    for (int h = 0; h < 2; ++h) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+  for (int h = 0; h < 2; ++h) {
+    __m256i acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+    for (int kq = 0; kq < (BITS == 8 ? 8 : 4); ++kq) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + header + (kq * 4 + c) * 64 + 32 * h));
       if (BITS == 8) {
-        w[h] = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80)));
-        w_abs[h] = _mm256_sign_epi8(w[h], w[h]);
+        const __m256i w = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80)));
+        const __m256i w_abs = _mm256_sign_epi8(w, w);
+        for (int r = 0; r < R; ++r) {
+          const __m256i pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(_mm256_set1_epi32(xt[kq * R + r]), w));
+          acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs, ones));
+        }
       } else {
         const __m256i low4 = _mm256_set1_epi8(0x0F);
-        w[h] = _mm256_and_si256(raw, low4);
-        w_hi[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const int8_t* xr = a.q.data() + (m0 + r) * Kp + kb * 32;
-      int32_t quad;
-      std::memcpy(&quad, xr + kq * 4, sizeof(quad));
-      const __m256i xb = _mm256_set1_epi32(quad);
-      if (BITS == 8) {
-        for (int h = 0; h < 2; ++h) {
-          const __m256i pairs = _mm256_maddubs_epi16(w_abs[h], _mm256_sign_epi8(xb, w[h]));
-          acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(pairs, ones));
-        }
-      } else {
-        std::memcpy(&quad, xr + 16 + kq * 4, sizeof(quad));
-        const __m256i xh = _mm256_set1_epi32(quad);
-        for (int h = 0; h < 2; ++h) {
-          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w[h], xb),
-                                                 _mm256_maddubs_epi16(w_hi[h], xh));
-          acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(pairs, ones));
+        const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xt[kq * R + r])),
+                                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xt[(4 + kq) * R + r])));
+          acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs, ones));
         }
       }
     }
+    for (int r = 0; r < R; ++r) add_half<BITS>(a, rec, KB, kb, m0 + r, c, h, acc[r], sums);
   }
-  for (int r = 0; r < R; ++r) add_block<BITS>(a, rec, KB, kb, m0 + r, c, acc[r], sums);
 }
 
 // One row x column blocks [c0, c0 + C) of a record: quant_block<BITS, 1>'s integer sums for each
@@ -679,11 +664,15 @@ inline void quant_row(const QuantizedActivations& a, const uint8_t* rec, int64_t
       }
     }
   }
-  for (int c = 0; c < C; ++c) add_block<BITS>(a, rec, KB, kb, m, c0 + c, acc[c], sums);
+  for (int c = 0; c < C; ++c) {
+    for (int h = 0; h < 2; ++h) add_half<BITS>(a, rec, KB, kb, m, c0 + c, h, acc[c][h], sums);
+  }
 }
 
 // Every row x column blocks [c0, c0 + C) of group g: K blocks in order, the columns and every row
 // tile of a record while it is in L1.
+constexpr int64_t kQuantRows = 8;  // rows of a batched int8 / int4 tile
+
 template <int BITS, typename T>
 void quant_group(const QuantizedActivations& a, int64_t M, const uint8_t* W, int64_t KB,
                  const float* bias, T* y, int64_t N, int64_t g, int c0, int C,
@@ -696,14 +685,21 @@ void quant_group(const QuantizedActivations& a, int64_t M, const uint8_t* W, int
     for (int64_t off = 0; off < record; off += 64) {  // (past the tensor's end: no fault)
       _mm_prefetch(reinterpret_cast<const char*>(rec) + kPrefetchQuant + off, _MM_HINT_T0);
     }
+    // rows [m, m + R) of x's K block kb as quads [quad][row], for broadcasts from one pointer
+    int32_t xt[8 * kQuantRows];
+    auto tile = [&](auto rows, int64_t m) {
+      constexpr int R = decltype(rows)::value;
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = a.q.data() + (m + r) * KB * 32 + kb * 32;
+        for (int q = 0; q < 8; ++q) std::memcpy(&xt[q * R + r], xr + 4 * q, 4);
+      }
+      for (int c = c0; c < c0 + C; ++c) quant_block<BITS, R>(a, rec, KB, kb, m, c, xt, sp);
+    };
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) {
-      for (int c = c0; c < c0 + C; ++c) quant_block<BITS, 4>(a, rec, KB, kb, m, c, sp);
-    }
-    for (int c = c0; c < c0 + C; ++c) {
-      if (M - m == 3) quant_block<BITS, 3>(a, rec, KB, kb, m, c, sp);
-      if (M - m == 2) quant_block<BITS, 2>(a, rec, KB, kb, m, c, sp);
-    }
+    for (; m + kQuantRows <= M; m += kQuantRows) tile(std::integral_constant<int, kQuantRows>(), m);
+    for (; m + 4 <= M; m += 4) tile(std::integral_constant<int, 4>(), m);
+    if (M - m == 3) tile(std::integral_constant<int, 3>(), m);
+    if (M - m == 2) tile(std::integral_constant<int, 2>(), m);
     if (M - m == 1) {  // a row alone (every decode step of one sequence): the record in order
       if (C == 4) quant_row<BITS, 4>(a, rec, KB, kb, m, c0, sp);
       else quant_row<BITS, 2>(a, rec, KB, kb, m, c0, sp);
