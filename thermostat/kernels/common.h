@@ -81,7 +81,7 @@ struct QuantLayout {
   int64_t header, record;  // bytes of d (+ z) and of a whole record
 };
 
-inline QuantLayout quant_layout(int bits) {
+constexpr QuantLayout quant_layout(int bits) {
   return bits == 8 ? QuantLayout{128, 128 + 2048} : QuantLayout{192, 192 + 1024};
 }
 
