@@ -97,3 +97,32 @@ def test_serve_reports_drains_on_sigterm_and_exits(tmp_path):
     assert f"ready: serving 'model' at http://127.0.0.1:{port}" in log_text
     assert "draining" in log_text
     assert '"status": "ok"' in log_text  # the drained request's log line
+
+
+def test_a_server_process_freezes_its_startup_heap_once_ready():
+    """What startup built moves to the permanent generation when the process is ready, so the
+    collector stops walking it while requests run; an app served in someone else's process (the
+    tests' in-process servers) leaves the heap alone."""
+    import gc
+    import logging
+
+    from thermostat.api.lifecycle import Lifecycle
+
+    class App(Lifecycle):
+        def serving_line(self) -> str:
+            return "serving 'test'"
+
+    before = gc.get_freeze_count()
+    guest = App(logging.getLogger("test"))
+    guest.mark_ready()
+    guest.mark_listening("http://127.0.0.1:1")
+    assert gc.get_freeze_count() == before
+    owner = App(logging.getLogger("test"))
+    owner.freeze_heap_when_ready = True
+    owner.mark_listening("http://127.0.0.1:1")
+    assert gc.get_freeze_count() == before, "not before the app is ready"
+    try:
+        owner.mark_ready()
+        assert gc.get_freeze_count() > before
+    finally:
+        gc.unfreeze()

@@ -5,10 +5,17 @@ On SIGTERM (or SIGINT) the app drains: it keeps listening and answers 503 to eve
 while the requests in flight finish (at most `drain_timeout_s`), then the sockets close and the
 process exits with status 0 (a drain is a clean exit, not a death by signal). Torch-free: the
 gateway runs where torch is not installed.
+
+A server process (`serve_until_stopped`) freezes Python's garbage-collected heap once it is ready:
+what startup built (the model, the tokenizer, the libraries, some 300,000 objects) moves to the
+permanent generation, so a collection scans only what requests allocated since. Unfrozen, every
+full collection walks that whole heap: measured at one stream (SmolLM2-135M-shaped bf16, 2 cores),
+a fifth of the server's CPU samples were the collector's, on the threads that drive the engine.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -46,6 +53,7 @@ class Lifecycle:
         self.route_paths: set[str] = set()
         self.on_fatal: Callable[[], None] = lambda: None  # asks the server process to exit
         self.log = logger
+        self.freeze_heap_when_ready = False  # set by serve_until_stopped: the process is ours
         self._announced = False
 
     def serving_line(self) -> str:
@@ -77,6 +85,9 @@ class Lifecycle:
             what, url = self.serving_line(), self.address
             self.log.info("ready: %s at %s (OpenAI API under %s/v1)", what, url, url)
             notify(f"READY=1\nSTATUS={what} at {url}")
+            if self.freeze_heap_when_ready:
+                gc.collect()  # startup's garbage goes first: frozen, it would stay for good
+                gc.freeze()
 
     def report_defaults(self, table: str, warnings: list[str]) -> None:
         """The startup report's sampling defaults: the table, then what looks wrong."""
@@ -137,6 +148,7 @@ def serve_until_stopped(server: DrainingServer) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    server.lifecycle.freeze_heap_when_ready = True
     server.run()
     return 1 if server.lifecycle.status == "failed" else 0
 
