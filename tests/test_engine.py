@@ -253,3 +253,28 @@ def test_sharded_checkpoint_and_dtypes(tmp_path, model_dir, reference):
     for dtype in ("float16", "bfloat16"):
         tokens = greedy_tokens(LLM(str(model_dir), dtype=dtype), [PROMPTS[0]])[0]
         assert tokens[:3] == reference[0][:3], dtype
+
+
+def test_before_forward_runs_once_per_forward_with_the_inputs_ready(model_dir):
+    """The server hands out a step's deltas from this hook, while the next forward runs: it is
+    called once per step that runs the model, right before the model, and never otherwise."""
+    llm = LLM(str(model_dir), dtype="float32")
+    engine = llm.engine
+    events: list[str] = []
+    model = engine.runner.model
+    real_forward = model.forward
+
+    def forward(*args, **kwargs):
+        events.append("forward")
+        return real_forward(*args, **kwargs)
+
+    model.forward = forward
+    engine.add_group("g", engine.plan([PROMPTS[0]], GREEDY))
+    steps = 0
+    while engine.has_unfinished() and steps < 100:
+        engine.step(before_forward=lambda: events.append("hook"))
+        steps += 1
+    assert steps == GREEDY.max_tokens
+    assert events == ["hook", "forward"] * steps
+    assert engine.step(before_forward=lambda: events.append("idle")) == []
+    assert "idle" not in events

@@ -114,11 +114,11 @@ def test_engine_crash_fails_in_flight_then_serves(server, monkeypatch):
     real_step = engine.step
     calls = {"n": 0}
 
-    def failing_step():
+    def failing_step(**kwargs):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("simulated kernel failure")
-        return real_step()
+        return real_step(**kwargs)
 
     monkeypatch.setattr(engine, "step", failing_step)
     r = httpx.post(

@@ -126,9 +126,9 @@ def test_max_queue_503_with_retry_after(llama_dir, monkeypatch):
         gate = threading.Event()  # holds the engine's next step: the first request stays waiting
         real_step = s.engine.step
 
-        def held_step():
+        def held_step(**kwargs):
             assert gate.wait(HANG_GUARD_S), hang("the test opening the gate")
-            return real_step()
+            return real_step(**kwargs)
 
         monkeypatch.setattr(s.engine, "step", held_step)
         first = {"model": s.model, "prompt": "It was", "max_tokens": 4, "stream": True}

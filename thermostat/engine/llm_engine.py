@@ -9,7 +9,7 @@ request gained into a `RequestDelta` and forgets it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import cast
 
@@ -202,12 +202,14 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
-    def step(self) -> list[RequestDelta]:
+    def step(self, before_forward: Callable[[], None] | None = None) -> list[RequestDelta]:
         """Run one scheduling step; return a delta for every request that generated tokens or
         finished. A handoff request's rows are read here, right after the update that freed its
-        blocks: nothing writes a freed block before the next step runs."""
+        blocks: nothing writes a freed block before the next step runs. `before_forward`, if
+        given, runs once the step's inputs are ready, right before the model's forward (not at
+        all in a step without one)."""
         out = self.scheduler.schedule()
-        result = self.runner.execute(out)
+        result = self.runner.execute(out, before_forward)
         progressed = self.scheduler.update(out, result)
         deltas = []
         for req in progressed:

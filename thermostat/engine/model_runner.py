@@ -3,6 +3,7 @@ samples. Keeps per-request sampling state (seeded generator, tokens seen) betwee
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -45,7 +46,11 @@ class ModelRunner:
     drafter: Drafter | None = None  # `--speculative mtp`: the model, whose next-n layer proposes
     requests: dict[str, RunnerRequest] = field(default_factory=dict, init=False)
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def execute(
+        self, out: SchedulerOutput, before_forward: Callable[[], None] | None = None
+    ) -> RunnerOutput:
+        """Run the step; `before_forward` is called once the inputs are ready, right before the
+        model's forward leaves Python (a caller's moment to hand out what it holds)."""
         for req_id in out.finished_ids:
             self.requests.pop(req_id, None)
         for data in out.new_requests:
@@ -62,6 +67,8 @@ class ModelRunner:
         if not chunks:
             return result
         input_ids, positions, meta = self._prepare(chunks)
+        if before_forward is not None:
+            before_forward()
         hidden = self.model(input_ids, positions, meta, self.cache)
         self._sample(chunks, hidden, result)
         if self.drafter is not None:
