@@ -59,11 +59,11 @@ def test_the_compiled_step_is_the_python_forward_bit_for_bit(tmp_path, case):
     captured = []
     execute = runner.execute
 
-    def capture(out):
+    def capture(out, before_forward=None):
         chunks = [c for c in out.chunks if c.token_ids]
         if not captured and chunks and all(len(c.token_ids) == 1 for c in chunks):
             captured.append(runner._prepare(chunks))
-        return execute(out)
+        return execute(out, before_forward)
 
     runner.execute = capture
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True)
