@@ -4,6 +4,8 @@ token."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from thermostat.engine.steps import TokenLogprobs
@@ -40,3 +42,21 @@ def top_alternatives(lp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
             pairs += [(i, boundary) for i in tied[: k - len(pairs)]]
         tops.append(sorted(pairs, key=lambda p: (-p[1], p[0])))
     return tops
+
+
+def prompt_logprobs(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    prompt: list[int],
+    start: int,
+    hidden: torch.Tensor,
+    k: int,
+) -> dict[int, TokenLogprobs]:
+    """The prompt tokens a chunk's rows score (`hidden` [n, hidden] from position `start`):
+    position p's token is scored by the logits at position p - 1; {position: logprobs}."""
+    last = min(start + hidden.shape[0], len(prompt) - 1)  # the last scoring position + 1
+    if last <= start:
+        return {}
+    lp = torch.log_softmax(compute_logits(hidden[: last - start]).float(), dim=-1)
+    targets = prompt[start + 1 : last + 1]
+    scored = logprobs_of(lp, torch.tensor(targets, dtype=torch.int64), [k] * len(targets))
+    return {start + 1 + i: row for i, row in enumerate(scored)}

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from thermostat.engine.constraint import Bitmask
-from thermostat.engine.logprobs import logprobs_of
+from thermostat.engine.logprobs import prompt_logprobs
 from thermostat.engine.sampler import (
     SamplingBatch,
     argmax_rows,
@@ -23,7 +23,6 @@ from thermostat.engine.steps import (
     ScheduledChunk,
     ScheduledHandoff,
     SchedulerOutput,
-    TokenLogprobs,
 )
 from thermostat.models.attention import AttentionMetadata, PrefillSegment
 from thermostat.models.kv_cache import PagedKVCache
@@ -75,12 +74,12 @@ class ModelRunner:
             self._draft(self.drafter, chunks, hidden, positions, meta, result)
         offset = 0
         for chunk in chunks:
-            n = len(chunk.token_ids)
-            k = self.requests[chunk.req_id].data.params.prompt_logprobs
-            if k is not None:
-                result.prompt_logprobs[chunk.req_id] = self._prompt_logprobs(
-                    chunk, hidden[offset : offset + n], k
-                )
+            n, data = len(chunk.token_ids), self.requests[chunk.req_id].data
+            if data.params.prompt_logprobs is not None:
+                result.prompt_logprobs[chunk.req_id] = prompt_logprobs(
+                    self.model.compute_logits, data.prompt_token_ids, chunk.start,
+                    hidden[offset : offset + n], data.params.prompt_logprobs,
+                )  # fmt: skip
             offset += n
         return result
 
@@ -189,20 +188,6 @@ class ModelRunner:
         """A request's seeded generator state (None if unseeded), until its finish is seen."""
         req = self.requests.get(req_id)
         return None if req is None or req.generator is None else req.generator.get_state()
-
-    def _prompt_logprobs(
-        self, chunk: ScheduledChunk, hidden: torch.Tensor, k: int
-    ) -> dict[int, TokenLogprobs]:
-        """Position p's prompt token is scored by the logits at position p - 1."""
-        prompt = self.requests[chunk.req_id].data.prompt_token_ids
-        last = min(chunk.start + len(chunk.token_ids), len(prompt) - 1)  # last scoring position+1
-        if last <= chunk.start:
-            return {}
-        logits = self.model.compute_logits(hidden[: last - chunk.start])
-        targets = prompt[chunk.start + 1 : last + 1]
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        scored = logprobs_of(lp, torch.tensor(targets, dtype=torch.int64), [k] * len(targets))
-        return {chunk.start + 1 + i: lp for i, lp in enumerate(scored)}
 
     def _sampling_batch(self, scored: list[tuple[ScheduledChunk, int]]) -> SamplingBatch:
         """One row per scored row: row i of a speculating chunk is sampled as if its proposals

@@ -19,12 +19,9 @@ Invariants:
   loop); while it has work it drains pending commands without blocking, then steps.
 - Nothing the loop receives is touched by the engine again: deltas are new objects each step,
   and the stats that arrive with them describe the engine as of their sending.
-- A step's deltas are held until the next step's forward is about to start (or sent at once when
-  no step follows): the loop then turns them into chunks while the engine thread is inside the
-  kernels, the GIL released. Sent right away, the loop's work took the GIL from the engine's
-  Python between two forwards (sampling, scheduling), the one stretch where a single thread
-  works and the other cores wait: measured at one stream and at 32 (SmolLM2-135M-shaped bf16,
-  2 cores, HTTP load on the same cores), that stretch grew by 0.95 ms and 3.4 ms a step.
+- A step's deltas are held until the next forward starts (sent at once if none follows): the
+  loop makes chunks while the engine thread is in the kernels, not while its Python between two
+  forwards needs the GIL (that stretch grew 0.95 ms a step at c=1 and 3.4 ms at c=32 under HTTP).
 - An add is the engine's `add_group`, all or nothing: if it refuses, the caller's `add` raises
   the engine's exception (InvalidRequest for bad input; anything else is a bug).
 - If a step raises, every in-flight request is aborted (its KV blocks freed) and its stream
@@ -39,47 +36,25 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from thermostat.api.errors import EngineError
 from thermostat.engine.llm_engine import LLMEngine
 from thermostat.engine.outputs import RequestDelta
-from thermostat.server.engine_io import EngineStats, GroupInput, OutputStream
+from thermostat.server.engine_io import (
+    Abort,
+    AbortStream,
+    Add,
+    Call,
+    Command,
+    EngineStats,
+    GroupInput,
+    OutputStream,
+    Stop,
+)
 
 log = logging.getLogger("thermostat.server")
 T = TypeVar("T")
-
-
-@dataclass
-class _Add:
-    group: GroupInput
-    stream: OutputStream
-    done: asyncio.Future[None]
-
-
-@dataclass
-class _Call:
-    """Run `fn(engine)` on the engine thread between steps (e.g. a prefix-cache reset)."""
-
-    fn: Callable[[LLMEngine], Any]
-    done: asyncio.Future[Any]
-
-
-@dataclass
-class _Abort:
-    req_ids: list[str]
-
-
-@dataclass
-class _AbortStream:
-    """Abort whatever of a stream's group the engine accepted (its add was cancelled)."""
-
-    stream: OutputStream
-
-
-class _Stop:
-    pass
 
 
 class AsyncEngine:
@@ -89,9 +64,7 @@ class AsyncEngine:
         self._build = build
         self.engine: LLMEngine  # set by the engine thread once built (`start` returns it)
         self.stats = EngineStats()
-        self._commands: queue.SimpleQueue[_Add | _Call | _Abort | _AbortStream | _Stop] = (
-            queue.SimpleQueue()
-        )
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._streams: dict[str, OutputStream] = {}  # engine thread only: req_id -> stream
@@ -130,11 +103,11 @@ class AsyncEngine:
         stream = OutputStream(self.abort, self._active.discard)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending_adds += 1
-        self._commands.put(_Add(group, stream, done))
+        self._commands.put(Add(group, stream, done))
         try:
             await done
         except asyncio.CancelledError:
-            self._commands.put(_AbortStream(stream))  # the add may have been applied
+            self._commands.put(AbortStream(stream))  # the add may have been applied
             raise
         finally:
             self._pending_adds -= 1
@@ -146,11 +119,11 @@ class AsyncEngine:
         if self._thread is None or not self._thread.is_alive():
             raise EngineError("the engine is not running")
         done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._commands.put(_Call(fn, done))
+        self._commands.put(Call(fn, done))
         return await done
 
     def abort(self, req_ids: list[str]) -> None:
-        self._commands.put(_Abort(list(req_ids)))
+        self._commands.put(Abort(list(req_ids)))
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait until no response is in flight; False if `timeout_s` passed first."""
@@ -164,7 +137,7 @@ class AsyncEngine:
         """Stop the thread; streams still open raise EngineError."""
         if self._thread is None:
             return
-        self._commands.put(_Stop())
+        self._commands.put(Stop())
         await asyncio.to_thread(self._thread.join, 30.0)
         for stream in list(self._active):
             stream.put(EngineError("the server is shutting down"))
@@ -172,7 +145,7 @@ class AsyncEngine:
 
     def _publish(
         self,
-        results: list[tuple[_Add | _Call, Any]],
+        results: list[tuple[Add | Call, Any]],
         items: list[tuple[OutputStream, RequestDelta | BaseException]],
         stats: EngineStats,
     ) -> None:
@@ -183,7 +156,7 @@ class AsyncEngine:
                 continue
             if isinstance(result, BaseException):
                 command.done.set_exception(result)
-            elif isinstance(command, _Add):
+            elif isinstance(command, Add):
                 command.stream.bind(result)
                 command.done.set_result(None)
             else:
@@ -194,7 +167,6 @@ class AsyncEngine:
     # ---- engine-thread side ----
 
     def _send(self, results: list, items: list) -> None:
-        """Hand results and deltas to the loop, after the deltas held from the last step."""
         assert self._loop is not None
         items, self._held = self._held + items, []
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
@@ -232,9 +204,9 @@ class AsyncEngine:
                 command = self._commands.get(block=not self.engine.has_unfinished())
             except queue.Empty:
                 command = None
-            results: list[tuple[_Add | _Call, Any]] = []
+            results: list[tuple[Add | Call, Any]] = []
             while command is not None:
-                if isinstance(command, _Stop):
+                if isinstance(command, Stop):
                     self._fail_all(EngineError("the server is shutting down"))
                     return
                 self._apply(command, results)
@@ -247,15 +219,15 @@ class AsyncEngine:
             if self.engine.has_unfinished():
                 self._step()
 
-    def _apply(self, command: _Add | _Call | _Abort | _AbortStream, results: list) -> None:
-        if isinstance(command, _Call):
+    def _apply(self, command: Add | Call | Abort | AbortStream, results: list) -> None:
+        if isinstance(command, Call):
             try:
                 results.append((command, command.fn(self.engine)))
             except Exception as exc:
                 results.append((command, exc))
             return
-        if isinstance(command, _Abort | _AbortStream):
-            if isinstance(command, _AbortStream):
+        if isinstance(command, Abort | AbortStream):
+            if isinstance(command, AbortStream):
                 req_ids = [r for r, s in self._streams.items() if s is command.stream]
             else:
                 req_ids = command.req_ids

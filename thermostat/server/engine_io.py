@@ -1,15 +1,20 @@
-"""What crosses between the event loop and the engine thread (server/async_engine.py): a group
-of engine requests going in, the engine's counters and each group's deltas coming out."""
+"""What crosses between the event loop and the engine thread (server/async_engine.py): commands
+(a group of engine requests, an abort, a call) going in, the engine's counters and each group's
+deltas coming out."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from thermostat.engine.outputs import QueuedRequest, RequestDelta
 from thermostat.engine.steps import Handoff
 from thermostat.sampling.fanout import Plan
+
+if TYPE_CHECKING:
+    from thermostat.engine.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True)
@@ -83,3 +88,37 @@ class OutputStream:
 
     def put(self, item: RequestDelta | BaseException) -> None:
         self._queue.put_nowait(item)
+
+
+@dataclass
+class Add:
+    group: GroupInput
+    stream: OutputStream
+    done: asyncio.Future[None]
+
+
+@dataclass
+class Call:
+    """Run `fn(engine)` on the engine thread between steps (e.g. a prefix-cache reset)."""
+
+    fn: Callable[[LLMEngine], Any]
+    done: asyncio.Future[Any]
+
+
+@dataclass
+class Abort:
+    req_ids: list[str]
+
+
+@dataclass
+class AbortStream:
+    """Abort whatever of a stream's group the engine accepted (its add was cancelled)."""
+
+    stream: OutputStream
+
+
+class Stop:
+    pass
+
+
+Command = Add | Call | Abort | AbortStream | Stop
