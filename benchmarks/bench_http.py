@@ -9,12 +9,13 @@ bench_engine.py does; `../shared/peers/` builds llama-server and converts its `s
 Every load is 128 random prompt token ids and 128 new tokens per request (`ignore_eos`,
 greedy: the sampler's cost is not what is compared), streamed, every chunk parsed as a client
 would (as `../shared/peers/client_load.py` does): concurrency C sends `max(C, 4)` requests (C
-at a time), and the offline engine gets the same C prompts at once through `LLM.generate`
-(batch C), each in its own process with 2 torch threads. Before each measured load every
-contender runs one unmeasured load of the same shape on other prompts, so one-time costs (first
-allocations, new matmul shapes, new connections) stay out of every figure alike. Each
-repeat runs every contender once per concurrency in turn, so machine noise hits them alike; the
-table reports medians and the HTTP/offline ratio.
+at a time), and the offline engine gets the same prompts through `LLM.generate`, C at a time
+(at c=1: the same four requests one after another, so both sides do the same work over the
+same seconds of a noisy machine), each in its own process with 2 torch threads. Before each
+measured load every contender runs one unmeasured load of the same shape on other prompts, so
+one-time costs (first allocations, new matmul shapes, new connections) stay out of every figure
+alike. Each repeat runs every contender once per concurrency in turn, so machine noise hits them
+alike; the table reports medians and the HTTP/offline ratio.
 """
 
 from __future__ import annotations
@@ -52,8 +53,11 @@ llm = LLM(model, num_threads=2, max_num_seqs=max(batch, 1), enable_prefix_cachin
 params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
 vocab = llm.engine.loaded.arch.vocab_size
 llm.generate(prompts(batch, prompt_tokens, vocab, batch + 1000), params)  # warm-up, same shape
+batch_prompts = prompts(max(batch, 4), prompt_tokens, vocab, batch)  # what HTTP sends
 start = time.perf_counter()
-outs = llm.generate(prompts(batch, prompt_tokens, vocab, batch), params)
+outs = []
+for i in range(0, len(batch_prompts), batch):
+    outs += llm.generate(batch_prompts[i : i + batch], params)
 elapsed = time.perf_counter() - start
 print(json.dumps({"tok_s": sum(len(o.token_ids) for o in outs) / elapsed}))
 """
