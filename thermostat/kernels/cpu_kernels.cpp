@@ -760,8 +760,8 @@ inline __m512 add_block(const QuantizedActivations& a, const uint8_t* rec, int64
 // group's records (from memory for the first, from L2 for the rest). Two rows a tile (three for
 // int8 at exactly three rows); measured against four-row tiles that kept the sums in L1 and read
 // each record once (SmolLM2-135M-shaped layers, AMD EPYC Zen 5): int8 8 / 32 / 128 rows 8% / 31% /
-// 29% faster, int4 at 128 rows 27%; one and two rows 11-26% (the stream no longer waits on the
-// sums' stores). The same arithmetic per output either way, so the same bits.
+// 29% faster, int4 at 128 rows 27%; one and two rows 11-26%. The same arithmetic per output
+// either way, so the same bits.
 template <int BITS, int C, bool PREFETCH, typename T>
 void quant_group(const QuantizedActivations& a, int64_t M, const uint8_t* W, int64_t KB,
                  const float* bias, T* y, int64_t N, int64_t g, int c0) {
