@@ -112,6 +112,36 @@ def test_bad_step_inputs_are_refused_before_any_thread_starts(tmp_path):
     assert torch.equal(alone, pool)
 
 
+@pytest.mark.parametrize("case", ["llama-int8", "llama-int4"])
+def test_a_preempted_teammate_has_its_pieces_redone_with_the_same_bits(tmp_path, case):
+    """A team thread the OS preempts while it holds a piece of a linear (here: every thread but
+    the caller sleeps 2 ms in each piece it takes) has that piece redone by the caller, which
+    then goes on; the sleeper's late copy is dropped, and the output is the same bits."""
+    llm = _llm(tmp_path, case)
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=2))
+    model, cache = llm.engine.runner.model, llm.engine.runner.cache
+    stack = model._compiled[1].stack
+    rows, bs = 8, cache.spec.block_size  # 8 rows: two pieces of each linear
+    x = torch.randn(rows, model.arch.hidden_size, dtype=torch.bfloat16)
+    cos, sin = model.rotary.tables(torch.full((rows,), 3))
+    step = (torch.arange(rows) * bs + 3, torch.arange(rows)[:, None], torch.full((rows,), 4), 0)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        steady = stack.forward(x.clone(), cos, sin, *step)
+        assert stack.redone == 0
+        redone = 0
+        for _ in range(5):  # the caller may claim every piece of a call before its teammate
+            stalled = stack.forward(x.clone(), cos, sin, *step, stall_us=2000)
+            assert torch.equal(stalled, steady)
+            redone += stack.redone
+            if redone:
+                break
+        assert redone > 0
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_speculative_rows_take_the_compiled_step(tmp_path):
     """Prompt-lookup speculation checks several rows of one sequence in a decode batch: the same
     tokens with the compiled step on and off."""

@@ -21,9 +21,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <mutex>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -33,74 +36,191 @@ namespace {
 // ---------------------------------------------------------------- a team for a whole call
 //
 // The pool's threads through a whole call, in one OpenMP parallel region (the pool torch's
-// at::parallel_for uses: the same libgomp): `step(f)` runs f on every thread, each taking its
-// share of the work with `share` (fixed) or `claim` (first come), then waits for all of them.
-// Forking and joining per op costs ~2.5 us and the wait for the slower thread's last group; a
-// barrier costs ~0.3 us. An exception in f is kept and rethrown by `run_team` after the region;
-// the steps after it do nothing, but every thread still meets every barrier.
+// at::parallel_for uses: the same libgomp). Each op is a step over units of work, handed out a
+// piece at a time to whichever thread asks first; a step ends once all its units are done, not
+// once every thread has arrived, so a thread that comes late skips the steps already done.
+//
+// On a 2-core machine the OS preempts a team thread whenever a server's event loop or a client
+// wakes up, for as long as they run; with a barrier after each op its teammate then waited out
+// that whole time (a SmolLM2-135M decode step with 2 threads, a process busy 0.8 ms every 8 ms
+// beside it: +0.6 to +2 ms a step, where sharing one core's loss would cost 0.4). So a linear's
+// pieces are redoable (`redo_step`): a piece is computed into its thread's own buffer and
+// published (copied into the output) by whichever thread finishes it first; a thread left waiting
+// on a piece a teammate holds for longer than a few pieces take redoes it itself, and the
+// teammate, when it runs again, drops its copy. The output's bits are the same whoever computes
+// a piece. Forking and joining per op costs ~2.5 us; a step ~0.3 us. An exception in a piece is
+// kept and rethrown by `run_team` after the region; the steps after it do nothing.
+
+struct alignas(64) StepCounters {
+  std::atomic<int64_t> next{0};  // the first unit no thread has claimed
+  std::atomic<int64_t> done{0};  // units done (published)
+};
+
+enum PieceState : uint8_t { kFree = 0, kClaimed = 1, kTaken = 2, kPublished = 3 };
 
 struct TeamState {  // shared by one team's threads
+  TeamState(int64_t max_steps, int64_t max_pieces)
+      : steps(static_cast<size_t>(max_steps)), pieces(new std::atomic<uint8_t>[max_pieces]()),
+        max_pieces(max_pieces) {}
+  std::vector<StepCounters> steps;  // by step, in the order every thread takes them
+  std::unique_ptr<std::atomic<uint8_t>[]> pieces;  // redoable steps' pieces, step after step
+  int64_t max_pieces;
+  StepCounters spare;  // past the planned steps: the team has failed
   std::atomic<bool> failed{false};
+  std::atomic<int64_t> redone{0};  // pieces a thread redid for a preempted teammate
   std::exception_ptr error;
   std::mutex mu;
-  std::atomic<int64_t> next[2] = {0, 0};  // claim counters, by step parity
 };
 
 class Team {
  public:
-  Team(int64_t id, int64_t size, TeamState& state) : id_(id), size_(size), state_(state) {}
+  Team(int64_t id, int64_t size, TeamState& state, int64_t stall_us)
+      : id_(id), size_(size), state_(state), stall_us_(stall_us) {}
 
-  // this thread's [begin, end) of n units (every thread's within one unit of the others')
-  std::pair<int64_t, int64_t> share(int64_t n) const {
-    return {n * id_ / size_, n * (id_ + 1) / size_};
-  }
-
-  // f(begin, end) over units [0, n), `grain` at a time, each piece to whichever thread asks
-  // first: a thread the OS preempts mid-step (a server's event loop on a 2-core machine) leaves
-  // the rest of the step's work to the others instead of holding them at the barrier. Once
-  // per step at most.
-  template <typename F>
-  void claim(int64_t n, int64_t grain, F&& f) {
-    std::atomic<int64_t>& next = state_.next[steps_ % 2];
-    for (int64_t b = next.fetch_add(grain); b < n; b = next.fetch_add(grain)) {
-      f(b, std::min(n, b + grain));
-    }
-  }
-
+  int64_t id() const { return id_; }
   bool leader() const { return id_ == 0; }  // the calling thread (torch's thread-local state)
 
+  // f(begin, end) over units [0, n), `grain` at a time; returns once all n are done
   template <typename F>
-  void step(F&& f) {
-    // the other parity's counter was last used by the step before, which every thread has left
-    if (leader()) state_.next[(steps_ + 1) % 2].store(0, std::memory_order_relaxed);
-    if (!state_.failed.load(std::memory_order_relaxed)) {
-      try {
-        f();
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(state_.mu);
-        if (!state_.error) state_.error = std::current_exception();
-        state_.failed = true;
-      }
+  void step(int64_t n, int64_t grain, F&& f) {
+    StepCounters& c = counters();
+    for (int64_t b = claim(c, grain); b < n; b = claim(c, grain)) {
+      const int64_t e = std::min(n, b + grain);
+      guarded([&] { f(b, e); });
+      c.done.fetch_add(e - b, std::memory_order_release);
     }
-#pragma omp barrier
-    ++steps_;
+    wait(c, n, [] { return false; });
+  }
+
+  // f over units [0, n) in one piece per thread at most
+  template <typename F>
+  void split(int64_t n, F&& f) {
+    step(n, std::max<int64_t>(1, (n + size_ - 1) / size_), std::forward<F>(f));
+  }
+
+  // f() on the leader only (torch's own ops); the others wait for it
+  template <typename F>
+  void lead(F&& f) {
+    StepCounters& c = counters();
+    if (leader()) {
+      if (!state_.failed.load(std::memory_order_relaxed)) guarded(f);
+      c.done.store(1, std::memory_order_release);
+    }
+    wait(c, 1, [] { return false; });
+  }
+
+  // Units [0, n), `grain` at a time: compute(b, e, own) writes units [b, e) into this thread's
+  // buffer `own` (reading only what no step before the next one writes), publish(b, e, own)
+  // copies them into the output. A piece is published once, by whoever computed it first of
+  // the thread that claimed it and a teammate that took it over.
+  template <typename Compute, typename Publish, typename B>
+  void redo_step(int64_t n, int64_t grain, B* own, Compute&& compute, Publish&& publish) {
+    StepCounters& c = counters();
+    const int64_t first = pieces_, count = (n + grain - 1) / grain;
+    pieces_ += count;
+    if (pieces_ > state_.max_pieces) {
+      guarded([] { TORCH_CHECK(false, "Team: more pieces than planned"); });
+      return;
+    }
+    std::atomic<uint8_t>* piece = state_.pieces.get() + first;
+    auto finish = [&](int64_t b) {  // compute piece b / grain; publish it if still ours
+      const int64_t e = std::min(n, b + grain);
+      guarded([&] { compute(b, e, own); });
+      uint8_t claimed = kClaimed;
+      if (piece[b / grain].compare_exchange_strong(claimed, kPublished)) {
+        guarded([&] { publish(b, e, own); });
+        c.done.fetch_add(e - b, std::memory_order_release);
+      }
+    };
+    int64_t longest = 0;  // ns: this thread's slowest piece of the step
+    for (int64_t b = claim(c, grain); b < n; b = claim(c, grain)) {
+      piece[b / grain].store(kClaimed, std::memory_order_release);
+      const auto start = std::chrono::steady_clock::now();
+      if (stall_us_ > 0 && !leader()) {
+        std::this_thread::sleep_for(std::chrono::microseconds(stall_us_));
+      }
+      finish(b);
+      longest = std::max<int64_t>(longest, std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                               std::chrono::steady_clock::now() - start).count());
+    }
+    // waiting longer than three of our pieces (20 us at least, 100 us if we had none) means the
+    // holder is off its core: take its piece over
+    const int64_t patience_ns = longest > 0 ? std::max<int64_t>(3 * longest, 20000) : 100000;
+    const auto since = std::chrono::steady_clock::now();
+    wait(c, n, [&] {
+      if (std::chrono::steady_clock::now() - since < std::chrono::nanoseconds(patience_ns)) {
+        return false;
+      }
+      for (int64_t p = 0; p < count; ++p) {
+        uint8_t claimed = kClaimed;
+        if (piece[p].load(std::memory_order_acquire) == kClaimed &&
+            piece[p].compare_exchange_strong(claimed, kTaken)) {
+          const int64_t b = p * grain, e = std::min(n, b + grain);
+          guarded([&] { compute(b, e, own); });
+          guarded([&] { publish(b, e, own); });
+          c.done.fetch_add(e - b, std::memory_order_release);
+          state_.redone.fetch_add(1, std::memory_order_relaxed);
+          return true;
+        }
+      }
+      return false;
+    });
   }
 
  private:
-  int64_t id_, size_, steps_ = 0;
+  StepCounters& counters() {
+    if (steps_ < static_cast<int64_t>(state_.steps.size())) return state_.steps[steps_++];
+    guarded([] { TORCH_CHECK(false, "Team: more steps than planned"); });
+    return state_.spare;
+  }
+
+  // the next piece's first unit, or past the end once the team failed
+  int64_t claim(StepCounters& c, int64_t grain) {
+    if (state_.failed.load(std::memory_order_relaxed)) return INT64_MAX;
+    return c.next.fetch_add(grain, std::memory_order_relaxed);
+  }
+
+  template <typename F>
+  void guarded(F&& f) {
+    try {
+      f();
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(state_.mu);
+      if (!state_.error) state_.error = std::current_exception();
+      state_.failed = true;
+    }
+  }
+
+  // until n units of the step are done (or the team failed), checking `help` (whether it did
+  // some of the work) every so many spins; yielding the core now and then
+  template <typename Help>
+  void wait(StepCounters& c, int64_t n, Help&& help) {
+    for (int64_t spins = 1; c.done.load(std::memory_order_acquire) < n; ++spins) {
+      if (state_.failed.load(std::memory_order_relaxed)) return;
+      if (spins % 64 == 0 && help()) continue;
+      if (spins % 4096 == 0) std::this_thread::yield();
+      else _mm_pause();
+    }
+  }
+
+  int64_t id_, size_, steps_ = 0, pieces_ = 0;
   TeamState& state_;
+  int64_t stall_us_;
 };
 
-// body(team) on each of the pool's threads; body does its work in team.step calls only.
+// body(team) on each of the pool's threads, in at most max_steps team steps and max_pieces
+// redoable pieces; body does its work in team steps only. Returns how many pieces were redone.
+// stall_us > 0 (tests): every thread but the leader sleeps that long in each redoable piece.
 template <typename F>
-void run_team(F&& body) {
-  TeamState state;
+int64_t run_team(int64_t max_steps, int64_t max_pieces, int64_t stall_us, F&& body) {
+  TeamState state(max_steps, max_pieces);
 #pragma omp parallel num_threads(at::get_num_threads())
   {
-    Team team(omp_get_thread_num(), omp_get_num_threads(), state);
+    Team team(omp_get_thread_num(), omp_get_num_threads(), state, stall_us);
     body(team);
   }
   if (state.error) std::rethrow_exception(state.error);
+  return state.redone.load();
 }
 
 // ---------------------------------------------------------------- decode stack
@@ -113,10 +233,10 @@ void run_team(F&& body) {
 // what it saves is the Python between the ops and, in a team (below), their forks and joins.
 // thermostat/models/compiled_decode.py decides where it applies.
 //
-// Two ways through: `team` runs the whole step in one parallel region, a barrier between ops,
-// each op's work shared by the threads (linears and attention piece by piece to whichever thread
-// is free, so one the OS preempts holds the others back by one piece at most); `ops` calls the
-// ops one after another (each forking its own threads). The team takes every stack it can: int8 /
+// Two ways through: `team` runs the whole step in one parallel region, each op a team step
+// whose pieces go to whichever thread is free (a linear's piece redone by a teammate when the
+// thread holding it is preempted; see Team); `ops` calls the ops one after another (each forking
+// its own threads). The team takes every stack it can: int8 /
 // 4-bit linears, bf16 ones off AMX, widths multiples of 32 and a KV cache in the compute dtype;
 // the AMX bf16 kernel keeps the per-op way (it could not be measured inside a team here).
 
@@ -144,40 +264,46 @@ struct StackLinear {
                       : linear_quant(x.contiguous(), packed, n, bits, bias);
   }
 
-  // y [M, n] = x [M, k()] W^T (+ bias), contiguous rows, in team steps; `a` holds M x k() / 32
-  // quantized blocks
+  // Units of work (bf16: blocks of 16 outputs; int8 / 4-bit: half groups of 32) and units per
+  // piece at M rows. Quantized units per piece: at a few rows a piece is a short read of memory,
+  // and six groups a claim streamed faster than two (AMD EPYC Zen 5, whole engine, one process,
+  // alternating: int8 batch 1 -1% to +9% in five runs, median +2.5%; int4 +10% and +13%); at 32
+  // rows two groups a claim keep the threads even (six: -5%).
+  int64_t units() const { return bits == 16 ? packed.size(0) : 2 * packed.size(0); }
+  int64_t grain(int64_t M) const { return bits == 16 || M > 4 ? 4 : 12; }
+  int64_t pieces(int64_t M) const { return (units() + grain(M) - 1) / grain(M); }
+
+  // y [M, n] = x [M, k()] W^T (+ bias), contiguous rows, in team steps (one redoable); `a`
+  // holds M x k() / 32 quantized blocks, `own` is the calling thread's [M, n] buffer
   template <typename T>
-  void run(Team& team, const T* x, int64_t M, T* y, QuantizedActivations& a) const {
+  void run(Team& team, const T* x, int64_t M, T* y, QuantizedActivations& a, T* own) const {
     const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+    const int64_t width = bits == 16 ? 16 : 32;  // outputs per unit
+    auto publish = [&](int64_t b, int64_t e, const T* src) {
+      const int64_t c0 = b * width, c1 = std::min(n, e * width);
+      for (int64_t m = 0; m < M && c1 > c0; ++m) {
+        std::memcpy(y + m * n + c0, src + m * n + c0, (c1 - c0) * sizeof(T));
+      }
+    };
     if (bits == 16) {
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         const auto* W = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
-        const int64_t NB = packed.size(0), KS = packed.size(1);
-        team.step([&] {
-          team.claim(NB, 4, [&](int64_t b, int64_t e) {
-            bf16_blocks(reinterpret_cast<const uint16_t*>(x), M, KS * 32, W, KS, bp, y, n, b, e);
-          });
-        });
+        const int64_t KS = packed.size(1);
+        team.redo_step(units(), grain(M), own, [&](int64_t b, int64_t e, T* dst) {
+          bf16_blocks(reinterpret_cast<const uint16_t*>(x), M, KS * 32, W, KS, bp, dst, n, b, e);
+        }, publish);  // fmt: skip
       }
       return;
     }
-    const int64_t G = packed.size(0), KB = packed.size(1);
+    const int64_t KB = packed.size(1);
     const uint8_t* W = packed.data_ptr<uint8_t>();
-    team.step([&] {
-      const auto [b, e] = team.share(M * KB);
+    team.split(M * KB, [&](int64_t b, int64_t e) {
       quantize_blocks(x, KB * 32, KB * 32, KB, a, b, e);
     });
-    // Units (half groups) per claim: at a few rows a piece is a short read of memory, and six
-    // groups a claim streamed faster than two (AMD EPYC Zen 5, whole engine, one process,
-    // alternating: int8 batch 1 -1% to +9% in five runs, median +2.5%; int4 +10% and +13%); at
-    // 32 rows two groups a claim keep the threads even (six: -5%).
-    const int64_t grain = M <= 4 ? 12 : 4;
-    team.step([&] {
-      team.claim(2 * G, grain, [&](int64_t b, int64_t e) {
-        if (bits == 8) quant_units<8>(a, M, W, KB, bp, y, n, b, e);
-        else quant_units<4>(a, M, W, KB, bp, y, n, b, e);
-      });
-    });
+    team.redo_step(units(), grain(M), own, [&](int64_t b, int64_t e, T* dst) {
+      if (bits == 8) quant_units<8>(a, M, W, KB, bp, dst, n, b, e);
+      else quant_units<4>(a, M, W, KB, bp, dst, n, b, e);
+    }, publish);
   }
 };
 
@@ -219,10 +345,12 @@ class DecodeStack {
 
   // x [T, hidden]: the rows' embeddings; cos, sin [T, head_dim]; slots [T]; block_tables
   // [T, nb]; context_lens [T]; window 0 = none. Returns the final norm's output [T, hidden].
-  // team: run as a team where the stack allows it (the same bits either way).
+  // team: run as a team where the stack allows it (the same bits either way); stall_us (tests):
+  // every team thread but the caller sleeps that long in each piece of a linear.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& slots, const torch::Tensor& block_tables,
-                        const torch::Tensor& context_lens, int64_t window, bool team) const {
+                        const torch::Tensor& context_lens, int64_t window, bool team,
+                        int64_t stall_us) const {
     TORCH_CHECK_VALUE(!layers_.empty(), "DecodeStack: no layers");
     TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == final_norm_.numel() && x.size(0) >= 1,
                       "DecodeStack: x must be [T, hidden]");
@@ -230,7 +358,8 @@ class DecodeStack {
     if (team && teamable_ && layers_[0].key_cache.scalar_type() == dtype &&
         (!has_bf16_ || (dtype == at::kBFloat16 && !amx_permitted()))) {
       return THERMOSTAT_DISPATCH_FLOAT(dtype, "DecodeStack", [&] {
-        return forward_team<scalar_t>(x, cos, sin, slots, block_tables, context_lens, window);
+        return forward_team<scalar_t>(x, cos, sin, slots, block_tables, context_lens, window,
+                                       stall_us);
       });
     }
     return forward_ops(x, cos, sin, slots, block_tables, context_lens, window);
@@ -275,7 +404,7 @@ class DecodeStack {
   torch::Tensor forward_team(const torch::Tensor& x, const torch::Tensor& cos,
                              const torch::Tensor& sin, const torch::Tensor& slots,
                              const torch::Tensor& block_tables, const torch::Tensor& context_lens,
-                             int64_t window) const {
+                             int64_t window, int64_t stall_us) const {
     const int64_t T_ = x.size(0), H = heads_, Hkv = kv_heads_, D = head_dim_;
     const int64_t hidden = x.size(1), Nqkv = (H + 2 * Hkv) * D, I = layers_[0].down.k();
     const int64_t* lens = context_lens.data_ptr<int64_t>();
@@ -304,10 +433,9 @@ class DecodeStack {
     torch::Tensor qk_normed;  // Qwen3's q and k after their norms, [T, H + Hkv, D]
     AttentionPlan plan(lens, T_, Hkv, H / Hkv, D, window);  // the same for every layer
 
-    // rows r of the team's share: norm(residual) or, with x, residual += x then its norm
+    // every row: norm(residual) or, with x, residual += x then its norm
     auto norm_rows = [&](Team& team, const T* xrows, const torch::Tensor& w, T* dst) {
-      team.step([&] {
-        const auto [b, e] = team.share(T_);
+      team.split(T_, [&](int64_t b, int64_t e) {
         for (int64_t r = b; r < e; ++r) {
           if (xrows) add_rms_row(xrows + r * hidden, res + r * hidden, w.data_ptr<T>(), dst + r * hidden, hidden, eps);
           else rms_row(res + r * hidden, w.data_ptr<T>(), dst + r * hidden, hidden, eps);
@@ -315,27 +443,33 @@ class DecodeStack {
       });
     };
 
-    run_team([&](Team& team) {
+    // a layer takes 15 steps at most (two per quantized linear), then the final norm; each
+    // thread computes a linear's pieces into its own [T, n] buffer
+    int64_t pieces = 0;
+    for (const StackLayer& L : layers_) {
+      for (const StackLinear* lin : {&L.qkv, &L.o, &L.gate_up, &L.down}) pieces += lin->pieces(T_);
+    }
+    const int64_t widest = std::max({Nqkv, hidden, 2 * I});
+    torch::Tensor own = torch::empty({at::get_num_threads(), T_ * widest}, x.options());
+    redone_ = run_team(static_cast<int64_t>(layers_.size()) * 16 + 1, pieces, stall_us, [&](Team& team) {
       AttentionScratch scratch;  // this thread's
+      T* mine = own.data_ptr<T>() + team.id() * T_ * widest;
       for (size_t i = 0; i < layers_.size(); ++i) {
         const StackLayer& L = layers_[i];
         norm_rows(team, i == 0 ? nullptr : outp, L.input_norm, hp);
-        L.qkv.run(team, hp, T_, qkvp, a);
+        L.qkv.run(team, hp, T_, qkvp, a, mine);
         T* qk = qkvp;
         int64_t qk_row = Nqkv;
         if (L.q_norm) {
-          team.step([&] {
-            if (team.leader()) {  // torch's own ops, on the calling thread
-              qk_normed = qk_norms(qkv.narrow(1, 0, (H + Hkv) * D).view({T_, H + Hkv, D}), L);
-            }
+          team.lead([&] {  // torch's own ops, on the calling thread
+            qk_normed = qk_norms(qkv.narrow(1, 0, (H + Hkv) * D).view({T_, H + Hkv, D}), L);
           });
           qk = qk_normed.data_ptr<T>();
           qk_row = (H + Hkv) * D;
         }
         T* kc = L.key_cache.data_ptr<T>();
         T* vc = L.value_cache.data_ptr<T>();
-        team.step([&] {  // rotary, then the new token's K and V into the cache
-          const auto [b, e] = team.share(T_ * (H + Hkv));
+        team.split(T_ * (H + Hkv), [&](int64_t b, int64_t e) {  // rotary, K and V cached
           for (int64_t item = b; item < e; ++item) {
             const int64_t t = item / (H + Hkv), head = item % (H + Hkv);
             T* row = qk + t * qk_row + head * D;
@@ -351,28 +485,24 @@ class DecodeStack {
                                        block_tables.data_ptr<int64_t>(), lens, H, Hkv, D,
                                        L.key_cache.size(1), block_tables.size(1), window,
                                        static_cast<float>(scale_), attnp};
-        team.step([&] {
-          team.claim(plan.items(), 1, [&](int64_t item, int64_t) {
-            attend_chunk(args, plan, item, scratch);
-          });
+        team.step(plan.items(), 1, [&](int64_t item, int64_t) {
+          attend_chunk(args, plan, item, scratch);
         });
         if (plan.merge) {
-          team.step([&] {
-            const auto [b, e] = team.share(T_ * H);
+          team.split(T_ * H, [&](int64_t b, int64_t e) {
             for (int64_t i = b; i < e; ++i) merge_chunks(args, plan, i / H, i % H);
           });
         }
-        L.o.run(team, attnp, T_, outp, a);
+        L.o.run(team, attnp, T_, outp, a, mine);
         norm_rows(team, outp, L.post_norm, hp);
-        L.gate_up.run(team, hp, T_, gup, a);
-        team.step([&] {
-          const auto [b, e] = team.share(T_ * (I / kLanes));
+        L.gate_up.run(team, hp, T_, gup, a, mine);
+        team.split(T_ * (I / kLanes), [&](int64_t b, int64_t e) {
           for (int64_t c = b; c < e; ++c) {
             const int64_t t = c / (I / kLanes), j = (c % (I / kLanes)) * kLanes;
             silu_mul_lanes(gup + t * 2 * I + j, gup + t * 2 * I + I + j, actp + t * I + j);
           }
         });
-        L.down.run(team, actp, T_, outp, a);
+        L.down.run(team, actp, T_, outp, a, mine);
       }
       norm_rows(team, outp, final_norm_, result.data_ptr<T>());
     });
@@ -384,6 +514,10 @@ class DecodeStack {
   torch::Tensor final_norm_;
   std::vector<StackLayer> layers_;
   bool teamable_ = true, has_bf16_ = false;
+  mutable int64_t redone_ = 0;  // pieces the last team call redid for a preempted thread
+
+ public:
+  int64_t redone() const { return redone_; }
 };
 
 
@@ -403,5 +537,8 @@ inline void def_decode_stack(py::module_& m) {
       .def("add_layer", &DecodeStack::add_layer)
       .def("forward", &DecodeStack::forward, "a decode step through every layer", py::arg("x"),
            py::arg("cos"), py::arg("sin"), py::arg("slots"), py::arg("block_tables"),
-           py::arg("context_lens"), py::arg("window"), py::arg("team") = true, nogil);
+           py::arg("context_lens"), py::arg("window"), py::arg("team") = true,
+           py::arg("stall_us") = 0, nogil)
+      .def_property_readonly("redone", &DecodeStack::redone,
+                             "pieces the last team call redid for a thread the OS preempted");
 }

@@ -4,8 +4,8 @@ thermostat/kernels/decode_stack.h, which both builds compile).
 The step runs the same compiled ops, in the same order and with the same arguments, as the
 layers' Python forward (thermostat.models.llama), so its hidden states are the same bits; what
 goes is the Python between the ops (about 0.1 ms per layer, a quarter of a SmolLM2-135M step at
-batch 1 with int8 weights) and, since the threads stay together through the whole step with a
-barrier between ops, the fork and join of each op (another ~0.55 ms a step there).
+batch 1 with int8 weights) and, since the threads stay together through the whole step (one
+team, thermostat/kernels/decode_stack.h), the fork and join of each op.
 
 It applies to a batch of decode rows only (no prefill chunk) and only where the Python forward
 would run every op of a layer in the kernels: linears packed (bf16) or quantized (int8 / int4),
