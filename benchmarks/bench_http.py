@@ -11,11 +11,13 @@ greedy: the sampler's cost is not what is compared), streamed, every chunk parse
 would (as `../shared/peers/client_load.py` does): concurrency C sends `max(C, 4)` requests (C
 at a time), and the offline engine gets the same prompts through `LLM.generate`, C at a time
 (at c=1: the same four requests one after another, so both sides do the same work over the
-same seconds of a noisy machine), each in its own process with 2 torch threads. Before each
-measured load every contender runs one unmeasured load of the same shape on other prompts, so
-one-time costs (first allocations, new matmul shapes, new connections) stay out of every figure
-alike. Each repeat runs every contender once per concurrency in turn, so machine noise hits them
-alike; the table reports medians and the HTTP/offline ratio.
+same seconds of a noisy machine), each in its own process with 2 torch threads. Every contender
+starts once and stays up for the whole run; before the first measured load each runs one
+unmeasured load per concurrency of the same shape on other prompts, so one-time costs (first
+allocations, new matmul shapes, new connections) stay out of every figure alike. Each repeat
+runs, per concurrency, every contender in turn (seconds apart, so a drift in the machine's noise
+hits them alike; each waits idle while the others run); the table reports medians and the
+HTTP/offline ratio.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,18 +51,20 @@ import json, sys, time
 sys.path.insert(0, sys.argv[5])
 from bench_http import prompts
 from thermostat import LLM, SamplingParams
-model, batch, prompt_tokens, output_tokens = sys.argv[1], *map(int, sys.argv[2:5])
-llm = LLM(model, num_threads=2, max_num_seqs=max(batch, 1), enable_prefix_caching=False)
+model, top, prompt_tokens, output_tokens = sys.argv[1], *map(int, sys.argv[2:5])
+llm = LLM(model, num_threads=2, max_num_seqs=top, enable_prefix_caching=False)
 params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
 vocab = llm.engine.loaded.arch.vocab_size
-llm.generate(prompts(batch, prompt_tokens, vocab, batch + 1000), params)  # warm-up, same shape
-batch_prompts = prompts(max(batch, 4), prompt_tokens, vocab, batch)  # what HTTP sends
-start = time.perf_counter()
-outs = []
-for i in range(0, len(batch_prompts), batch):
-    outs += llm.generate(batch_prompts[i : i + batch], params)
-elapsed = time.perf_counter() - start
-print(json.dumps({"tok_s": sum(len(o.token_ids) for o in outs) / elapsed}))
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:  # "C SEED": max(C, 4) requests of those prompts (as HTTP), C at a time
+    batch, seed = map(int, line.split())
+    batch_prompts = prompts(max(batch, 4), prompt_tokens, vocab, seed)
+    start = time.perf_counter()
+    outs = []
+    for i in range(0, len(batch_prompts), batch):
+        outs += llm.generate(batch_prompts[i : i + batch], params)
+    elapsed = time.perf_counter() - start
+    print(json.dumps({"tok_s": sum(len(o.token_ids) for o in outs) / elapsed}), flush=True)
 """
 
 
@@ -167,14 +172,37 @@ def http_load(
     return asyncio.run(http_load_async(url, batch, concurrency, args))
 
 
-def offline(model: Path, batch: int, args: argparse.Namespace) -> float:
+@contextmanager
+def offline_engine(model: Path, top: int, args: argparse.Namespace) -> Iterator[Any]:
+    """The same engine offline, in its own process for the whole run (2 torch threads):
+    yields load(C, seed) -> tok/s, the same requests as `http_load`'s."""
     env = dict(os.environ, OMP_NUM_THREADS="2")
-    out = subprocess.run(
-        [sys.executable, "-c", OFFLINE, str(model), str(batch), str(args.prompt_tokens),
+    proc = subprocess.Popen(
+        [sys.executable, "-c", OFFLINE, str(model), str(top), str(args.prompt_tokens),
          str(args.output_tokens), str(Path(__file__).parent)],
-        capture_output=True, text=True, env=env, timeout=900, check=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])["tok_s"]
+    assert proc.stdin is not None and proc.stdout is not None
+
+    def load(concurrency: int, seed: int) -> float:
+        proc.stdin.write(f"{concurrency} {seed}\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the offline engine exited with {proc.wait()}")
+        return float(json.loads(line)["tok_s"])
+
+    try:
+        if not proc.stdout.readline():
+            raise RuntimeError(f"the offline engine exited with {proc.wait()} before it was ready")
+        yield load
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def random_model(directory: Path) -> Path:
@@ -231,16 +259,20 @@ def main() -> None:
                 "--no-webui",
             ]  # fmt: skip
         runs: dict[tuple[str, int], list[float]] = {}
-        for repeat in range(args.repeats):
-            for c in args.concurrency:
-                tok_s = offline(model, c, args)
-                runs.setdefault(("thermostat (offline engine)", c), []).append(tok_s)
-                console.print(f"repeat {repeat} c={c} offline engine: {tok_s:.1f} tok/s")
+        with ExitStack() as stack:
+            loads = {"thermostat (offline engine)": stack.enter_context(
+                offline_engine(model, top, args)
+            )}  # fmt: skip
             for name, command in servers.items():
-                with serving(name.split()[0], command, Path(tmp)) as url:
-                    for c in args.concurrency:
-                        http_load(url, c, vocab, args, seed=c + 1000)  # warm-up, same shape
-                        tok_s = http_load(url, c, vocab, args)
+                url = stack.enter_context(serving(name.split()[0], command, Path(tmp)))
+                loads[name] = partial(http_load, url, vocab=vocab, args=args)
+            for load in loads.values():
+                for c in args.concurrency:
+                    load(c, seed=c + 1000)  # warm-up, same shape, other prompts
+            for repeat in range(args.repeats):
+                for c in args.concurrency:
+                    for name, load in loads.items():
+                        tok_s = load(c, seed=c)
                         runs.setdefault((name, c), []).append(tok_s)
                         console.print(f"repeat {repeat} c={c} {name}: {tok_s:.1f} tok/s")
     medians = {key: statistics.median(values) for key, values in runs.items()}
