@@ -1,26 +1,18 @@
 """The paged KV cache: the one object that owns the cache tensors of every layer, laid out as its
-`KVCacheSpec` (thermostat.models.kv_spec) declares. Layout per layer and component; a token's
-slot is block_id * block_size + offset_in_block:
-
-| tensor              | shape                                           | dtype                 |
-|---------------------|-------------------------------------------------|-----------------------|
-| store[name][layer]  | [num_blocks, rows, *per_token_shape]            | storage; fp8 as uint8 |
-| scales[name][layer] | [num_blocks, rows, *per_token_shape[:-1], 1]    | float32; fp8 only     |
-
-rows = block_size for a component of rate 1, else its rows per block (kv_spec); a component has
-tensors only for its layers, and num_blocks of its pool (`spec.pools`: the main pool, then one
-per component window; their slots and rows are the pool's own block ids times rows). Scales
-are empty ([0]) unless the component is fp8_e4m3. `put` and `take` write and read a
-component's flat rows (block_id * rows + row) directly.
-
-Reads gather whole blocks (one index_select of contiguous rows), twice as fast as gathering
-token slots.
+`KVCacheSpec` (thermostat.models.kv_spec) declares. A token's slot is block_id * block_size +
+offset_in_block; per layer and component: store[name][layer] [num_blocks, rows, *per_token_shape]
+(storage dtype; fp8 as uint8) and scales[name][layer] [num_blocks, rows, *per_token_shape[:-1], 1]
+(float32, fp8_e4m3 only, else empty [0]). rows = block_size for a component of rate 1, else its
+rows per block (kv_spec); a component has tensors only for its layers, and num_blocks of its pool
+(`spec.pools`: the main pool, then one per component window; their slots and rows are the pool's
+own block ids times rows). `put` and `take` write and read a component's flat rows
+(block_id * rows + row) directly. Reads gather whole blocks (one index_select of contiguous rows,
+twice as fast as gathering token slots).
 
 fp8_e4m3 stores each vector (the last dim) divided by its own scale (amax / 448), so a token's
-quantization error never depends on other tokens; reads dequantize what they gather.
-
-How the cache is written and how decode attention reads a key/value layout depend on how it is
-stored, so both paths are chosen once here, when the cache is built (see thermostat.kernels).
+quantization error never depends on other tokens; reads dequantize what they gather. How the
+cache is written and how decode attention reads a key/value layout depend on how it is stored,
+so both paths are chosen once here, when the cache is built (see thermostat.kernels).
 
 `export` and `load` move one sequence's rows between caches of one spec (prefill/decode
 disaggregation) as stored: fp8 rows travel as their bytes with their scales, so the copy is
@@ -124,9 +116,8 @@ class PagedKVCache:
         return (*(self.store[n][layer] for n in names), *(self.scales[n][layer] for n in names))
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Each component of the blocks in `block_tables` [B, nb] as
-        [B, nb * block_size, *per_token_shape] in the compute dtype (token t of a sequence at
-        index t), in spec order."""
+        """Each component (spec order) of the blocks in `block_tables` [B, nb] as [B, nb *
+        block_size, *per_token_shape] in the compute dtype (a sequence's token t at index t)."""
         return tuple(
             self._read(self.store[c.name][layer], self.scales[c.name][layer], block_tables)
             for c in self.spec.components
@@ -186,8 +177,7 @@ class PagedKVCache:
                 _slots(t).index_copy_(0, at, rows.tensors[name][i])
 
     def check_rows(self, rows: KVRows, num_tokens: int) -> None:
-        """Raises ValueError unless `rows` are `num_tokens` tokens with this cache's tensor shapes
-        and dtypes."""
+        """ValueError unless `rows` are `num_tokens` tokens of this cache's shapes and dtypes."""
         slots = [
             torch.arange(num_tokens if w is None else min(w, num_tokens)) for w in self.spec.pools
         ]
