@@ -123,11 +123,12 @@ class Team {
       return;
     }
     std::atomic<uint8_t>* piece = state_.pieces.get() + first;
-    auto finish = [&](int64_t b) {  // compute piece b / grain; publish it if still ours
-      const int64_t e = std::min(n, b + grain);
+    // piece p computed, then published if its state is still `from` (now `to`)
+    auto run_piece = [&](int64_t p, PieceState from, PieceState to) {
+      const int64_t b = p * grain, e = std::min(n, b + grain);
       guarded([&] { compute(b, e, own); });
-      uint8_t claimed = kClaimed;
-      if (piece[b / grain].compare_exchange_strong(claimed, kPublished)) {
+      uint8_t expected = from;
+      if (from == to || piece[p].compare_exchange_strong(expected, to)) {
         guarded([&] { publish(b, e, own); });
         c.done.fetch_add(e - b, std::memory_order_release);
       }
@@ -139,7 +140,7 @@ class Team {
       if (stall_us_ > 0 && !leader()) {
         std::this_thread::sleep_for(std::chrono::microseconds(stall_us_));
       }
-      finish(b);
+      run_piece(b / grain, kClaimed, kPublished);
       longest = std::max<int64_t>(longest, std::chrono::duration_cast<std::chrono::nanoseconds>(
                                                std::chrono::steady_clock::now() - start).count());
     }
@@ -155,10 +156,7 @@ class Team {
         uint8_t claimed = kClaimed;
         if (piece[p].load(std::memory_order_acquire) == kClaimed &&
             piece[p].compare_exchange_strong(claimed, kTaken)) {
-          const int64_t b = p * grain, e = std::min(n, b + grain);
-          guarded([&] { compute(b, e, own); });
-          guarded([&] { publish(b, e, own); });
-          c.done.fetch_add(e - b, std::memory_order_release);
+          run_piece(p, kTaken, kTaken);  // ours now: the holder's publish will fail
           state_.redone.fetch_add(1, std::memory_order_relaxed);
           return true;
         }
