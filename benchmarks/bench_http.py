@@ -17,13 +17,18 @@ unmeasured load per concurrency of the same shape on other prompts, so one-time 
 allocations, new matmul shapes, new connections) stay out of every figure alike. Each repeat
 runs, per concurrency, every contender in turn (seconds apart, so a drift in the machine's noise
 hits them alike; each waits idle while the others run); the table reports medians and the
-HTTP/offline ratio.
+HTTP/offline ratio. A second table says where the CPU went, in ms per output token: the offline
+engine's process, the HTTP server's engine threads and its event loop (the main thread), the
+load client (this process, during the HTTP loads) and llama-server's process. On 2 cores the
+client's and the event loop's share is taken from the engine's threads: that is the gap between
+HTTP and offline.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -35,6 +40,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -59,12 +65,13 @@ print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:  # "C SEED": max(C, 4) requests of those prompts (as HTTP), C at a time
     batch, seed = map(int, line.split())
     batch_prompts = prompts(max(batch, 4), prompt_tokens, vocab, seed)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outs = []
     for i in range(0, len(batch_prompts), batch):
         outs += llm.generate(batch_prompts[i : i + batch], params)
-    elapsed = time.perf_counter() - start
-    print(json.dumps({"tok_s": sum(len(o.token_ids) for o in outs) / elapsed}), flush=True)
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    tokens = sum(len(o.token_ids) for o in outs)
+    print(json.dumps({"tok_s": tokens / elapsed, "cpu_ms": cpu * 1e3 / tokens}), flush=True)
 """
 
 
@@ -88,6 +95,9 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> No
     raise RuntimeError(f"server at {url} not ready after {timeout_s:.0f} s")
 
 
+SERVER_PIDS: dict[str, int] = {}  # url -> pid of the server `serving` started there
+
+
 @contextmanager
 def serving(name: str, command: list[str], log_dir: Path) -> Iterator[str]:
     """Run a server command (with {PORT}) until the block ends; yield its URL."""
@@ -102,6 +112,7 @@ def serving(name: str, command: list[str], log_dir: Path) -> Iterator[str]:
         start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
+    SERVER_PIDS[url] = proc.pid
     try:
         wait_ready(url, proc)
         yield url
@@ -137,7 +148,15 @@ async def stream_one(client: httpx.AsyncClient, body: dict[str, Any]) -> int:
     return tokens
 
 
-async def http_load_async(url: str, batch: list[list[int]], concurrency: int, args) -> float:
+@dataclass
+class Run:
+    """One measured load: output tokens/s and CPU ms per output token, by who spent it."""
+
+    tok_s: float
+    cpu_ms: dict[str, float] = field(default_factory=dict)
+
+
+async def http_load_async(url: str, batch: list[list[int]], concurrency: int, args) -> Run:
     gate = asyncio.Semaphore(concurrency)
     # a connection per request: llama-server closes a kept-alive one after a stream
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=0)
@@ -156,26 +175,55 @@ async def http_load_async(url: str, batch: list[list[int]], concurrency: int, ar
             async with gate:
                 return await stream_one(client, body)
 
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         tokens = await asyncio.gather(*(one(p) for p in batch))
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     if sum(tokens) != len(batch) * args.output_tokens:
         raise RuntimeError(f"{url}: {sum(tokens)} tokens generated, not {len(batch)} x 128")
-    return sum(tokens) / elapsed
+    return Run(sum(tokens) / elapsed, {"load client": cpu * 1e3 / sum(tokens)})
+
+
+def thread_cpu_ns(pid: int) -> dict[int, int]:
+    """CPU time each thread of a process has run so far (ns, the kernel's schedstat)."""
+    times = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError, ValueError):  # the thread ended meanwhile
+            times[int(tid)] = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+    return times
+
+
+def http_run(
+    url: str, concurrency: int, vocab: int, args: argparse.Namespace, seed: int | None = None,
+    server: tuple[str, int] | None = None,
+) -> Run:  # fmt: skip
+    """A load over HTTP; with `server` (its name, its pid) the server's CPU per output token
+    too: thermostat's event loop (the main thread) apart from its other (engine) threads."""
+    size = max(concurrency, 4)
+    batch = prompts(size, args.prompt_tokens, vocab, concurrency if seed is None else seed)
+    before = thread_cpu_ns(server[1]) if server else {}
+    run = asyncio.run(http_load_async(url, batch, concurrency, args))
+    if server:
+        name, pid = server
+        spent = {t: ns - before.get(t, 0) for t, ns in thread_cpu_ns(pid).items()}
+        per_token = 1e-6 / (size * args.output_tokens)
+        if name == "thermostat":
+            run.cpu_ms["server event loop"] = spent.pop(pid, 0) * per_token
+            run.cpu_ms["server engine threads"] = sum(spent.values()) * per_token
+        else:
+            run.cpu_ms[f"{name} process"] = sum(spent.values()) * per_token
+    return run
 
 
 def http_load(
     url: str, concurrency: int, vocab: int, args: argparse.Namespace, seed: int | None = None
 ) -> float:
-    size = max(concurrency, 4)
-    batch = prompts(size, args.prompt_tokens, vocab, concurrency if seed is None else seed)
-    return asyncio.run(http_load_async(url, batch, concurrency, args))
+    return http_run(url, concurrency, vocab, args, seed).tok_s
 
 
 @contextmanager
 def offline_engine(model: Path, top: int, args: argparse.Namespace) -> Iterator[Any]:
     """The same engine offline, in its own process for the whole run (2 torch threads):
-    yields load(C, seed) -> tok/s, the same requests as `http_load`'s."""
+    yields load(C, seed) -> Run, the same requests as `http_load`'s."""
     env = dict(os.environ, OMP_NUM_THREADS="2")
     proc = subprocess.Popen(
         [sys.executable, "-c", OFFLINE, str(model), str(top), str(args.prompt_tokens),
@@ -184,13 +232,14 @@ def offline_engine(model: Path, top: int, args: argparse.Namespace) -> Iterator[
     )  # fmt: skip
     assert proc.stdin is not None and proc.stdout is not None
 
-    def load(concurrency: int, seed: int) -> float:
+    def load(concurrency: int, seed: int) -> Run:
         proc.stdin.write(f"{concurrency} {seed}\n")
         proc.stdin.flush()
         line = proc.stdout.readline()
         if not line:
             raise RuntimeError(f"the offline engine exited with {proc.wait()}")
-        return float(json.loads(line)["tok_s"])
+        result = json.loads(line)
+        return Run(result["tok_s"], {"offline engine process": result["cpu_ms"]})
 
     try:
         if not proc.stdout.readline():
@@ -259,22 +308,31 @@ def main() -> None:
                 "--no-webui",
             ]  # fmt: skip
         runs: dict[tuple[str, int], list[float]] = {}
+        cpu: dict[tuple[str, int], list[float]] = {}  # (part, C) -> ms per token, per repeat
         with ExitStack() as stack:
             loads = {"thermostat (offline engine)": stack.enter_context(
                 offline_engine(model, top, args)
             )}  # fmt: skip
             for name, command in servers.items():
-                url = stack.enter_context(serving(name.split()[0], command, Path(tmp)))
-                loads[name] = partial(http_load, url, vocab=vocab, args=args)
+                short = name.split()[0]
+                url = stack.enter_context(serving(short, command, Path(tmp)))
+                server = (short, SERVER_PIDS[url])
+                loads[name] = partial(http_run, url, vocab=vocab, args=args, server=server)
             for load in loads.values():
                 for c in args.concurrency:
                     load(c, seed=c + 1000)  # warm-up, same shape, other prompts
             for repeat in range(args.repeats):
                 for c in args.concurrency:
                     for name, load in loads.items():
-                        tok_s = load(c, seed=c)
-                        runs.setdefault((name, c), []).append(tok_s)
-                        console.print(f"repeat {repeat} c={c} {name}: {tok_s:.1f} tok/s")
+                        run = load(c, seed=c)
+                        runs.setdefault((name, c), []).append(run.tok_s)
+                        for part, ms in run.cpu_ms.items():
+                            key = ("llama-server " if name == "llama-server" else "") + part
+                            cpu.setdefault((key, c), []).append(ms)
+                        console.print(f"repeat {repeat} c={c} {name}: {run.tok_s:.1f} tok/s")
+                    ratio = runs[("thermostat (HTTP)", c)][-1]
+                    ratio /= runs[("thermostat (offline engine)", c)][-1]
+                    console.print(f"repeat {repeat} c={c} HTTP / offline: {ratio:.2f}x")
     medians = {key: statistics.median(values) for key, values in runs.items()}
     names = ["thermostat (HTTP)", "thermostat (offline engine)", *list(servers)[1:]]
     table = Table(title=f"output tok/s, {args.prompt_tokens}/{args.output_tokens} tokens, medians")
@@ -292,6 +350,13 @@ def main() -> None:
             ),
         )
     console.print(table)
+    where = Table(title="CPU ms per output token, medians (2 cores: 2 x wall ms per token in all)")
+    where.add_column("who")
+    for c in args.concurrency:
+        where.add_column(f"c={c}", justify="right")
+    for part in dict.fromkeys(part for part, _ in cpu):
+        where.add_row(part, *(f"{statistics.median(cpu[(part, c)]):.3f}" for c in args.concurrency))
+    console.print(where)
     if args.json:
         print(json.dumps({f"{n}@{c}": v for (n, c), v in medians.items()}, indent=2))
 
