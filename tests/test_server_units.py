@@ -156,3 +156,35 @@ def test_sse_events_keep_line_break_characters_off_the_wire():
     line = event[len("data: ") : -2]
     assert line.splitlines() == [line]
     assert json.loads(line) == {"text": "a\x85b\u2028c\u2029d"}
+
+
+TRICKY_TEXTS = ["", "w12", "héllo wörld", 'a"b\\c/d', "\n\t\r\x01\x1f\x7f", "😀 é", "a\x85b\u2028"]
+
+
+@pytest.mark.parametrize("text", TRICKY_TEXTS)
+def test_chunk_templates_write_the_bytes_the_chunk_models_write(text):
+    """A streamed token's chunk is written by splicing its text into the model's own JSON
+    (ChunkTemplate): byte for byte what model_dump_json writes, for completions and chat."""
+    from thermostat.api.protocol import (
+        ChatChunkChoice,
+        ChatCompletionChunk,
+        CompletionChoice,
+        CompletionResponse,
+        DeltaMessage,
+    )
+    from thermostat.api.responses import ChunkTemplate
+
+    header = {"id": "cmpl-1", "created": 1796278295, "model": 'my "model" ünï'}
+
+    def completion(value):
+        return CompletionResponse(choices=[CompletionChoice(index=3, text=value)], **header)
+
+    def chat(value):
+        choice = ChatChunkChoice(index=0, delta=DeltaMessage(content=value))
+        return ChatCompletionChunk(choices=[choice], **header)
+
+    for build in (completion, chat):
+        template = ChunkTemplate(build(ChunkTemplate.MARKER))
+        assert template(text) == build(text).model_dump_json()
+    with pytest.raises(ValueError, match="exactly one"):
+        ChunkTemplate(completion("no marker"))

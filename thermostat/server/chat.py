@@ -14,6 +14,7 @@ from thermostat.api.protocol import (
     ChatCompletionResponse,
     DeltaMessage,
 )
+from thermostat.api.responses import ChunkTemplate
 from thermostat.api.tool_parsers import ToolText
 from thermostat.api.tools import ToolRequest, ToolStream, answer, finish_reason
 from thermostat.server.logprobs import TokenText, chat_logprobs
@@ -53,27 +54,37 @@ async def chat_chunks(
     include_usage: bool,
     continuous_usage: bool = False,
     tools: ToolRequest | None = None,
-) -> AsyncIterator[ChatCompletionChunk]:
+) -> AsyncIterator[str]:
     """A role chunk per choice, content deltas (with tools: content and tool-call deltas),
     then per choice a chunk with its finish_reason that also carries `sampling` and that
-    choice's `quality`; a usage chunk last if asked."""
+    choice's `quality`; a usage chunk last if asked. JSON texts."""
     streams = {}
     if tools is not None and tools.parses:
         streams = {i: ToolStream(tools.parser) for i in range(job.num_choices)}
 
-    def chunk(choices: list[ChatChunkChoice], **extra: Any) -> ChatCompletionChunk:
+    def chunk(choices: list[ChatChunkChoice], **extra: Any) -> str:
         if continuous_usage and choices:
             extra.setdefault("usage", job.usage())
-        return ChatCompletionChunk(choices=choices, **job.header(), **extra)
+        return ChatCompletionChunk(choices=choices, **job.header(), **extra).model_dump_json()
 
+    def content_only(index: int) -> ChunkTemplate:  # a chunk of content alone, the common one
+        delta = DeltaMessage(content=ChunkTemplate.MARKER)
+        choice = ChatChunkChoice(index=index, delta=delta)
+        return ChunkTemplate(ChatCompletionChunk(choices=[choice], **job.header()))
+
+    templates = {} if continuous_usage else {i: content_only(i) for i in range(job.num_choices)}
     for index in range(job.num_choices):
         yield chunk(
             [ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]
         )
     async for index, out in job.events():
         logprobs = None if out.new_logprobs is None else chat_logprobs(out.new_logprobs, tokens)
-        delta = DeltaMessage(content=out.new_text) if out.new_text else DeltaMessage()
         stream = streams.get(index)
+        if stream is None and logprobs is None and not out.finished and templates:
+            if out.new_text:
+                yield templates[index](out.new_text)
+            continue
+        delta = DeltaMessage(content=out.new_text) if out.new_text else DeltaMessage()
         if stream is not None:
             delta = stream.feed(out.new_text, out.finished) or DeltaMessage()
         if not out.finished:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from thermostat.api.protocol import CompletionChoice, CompletionResponse
+from thermostat.api.responses import ChunkTemplate
 from thermostat.engine.steps import TokenLogprobs
 from thermostat.server.logprobs import TokenText, completion_logprobs
 from thermostat.server.prompts import Prompt
@@ -66,15 +67,20 @@ def completion_response(job: Job, tokens: TokenText, echo: bool) -> CompletionRe
 
 async def completion_chunks(
     job: Job, tokens: TokenText, echo: bool, include_usage: bool, continuous_usage: bool = False
-) -> AsyncIterator[CompletionResponse]:
-    """Text deltas per choice (the echoed prompt in a choice's first chunk); the chunk with a
-    choice's finish_reason carries `sampling` and that choice's `quality`."""
+) -> AsyncIterator[str]:
+    """Text deltas per choice (the echoed prompt in a choice's first chunk), as JSON texts; the
+    chunk with a choice's finish_reason carries `sampling` and that choice's `quality`."""
 
-    def chunk(choices: list[CompletionChoice], **extra: Any) -> CompletionResponse:
+    def chunk(choices: list[CompletionChoice], **extra: Any) -> str:
         if continuous_usage and choices:
             extra.setdefault("usage", job.usage())
-        return CompletionResponse(choices=choices, **job.header(), **extra)
+        return CompletionResponse(choices=choices, **job.header(), **extra).model_dump_json()
 
+    def text_only(index: int) -> ChunkTemplate:  # a chunk of text alone, the common one
+        choice = CompletionChoice(index=index, text=ChunkTemplate.MARKER)
+        return ChunkTemplate(CompletionResponse(choices=[choice], **job.header()))
+
+    templates = {} if continuous_usage else {i: text_only(i) for i in range(job.num_choices)}
     offset = [0] * job.num_choices  # text_offset of the next token, per choice
     started = [False] * job.num_choices
     async for index, out in job.events():
@@ -87,7 +93,9 @@ async def completion_chunks(
         if logprobs is not None:
             offset[index] += sum(len(t) for t in logprobs["tokens"])
         if not out.finished:
-            if text or (logprobs and logprobs["tokens"]):
+            if logprobs is None and text and templates:
+                yield templates[index](text)
+            elif text or (logprobs and logprobs["tokens"]):
                 yield chunk([CompletionChoice(index=index, text=text, logprobs=logprobs)])
             continue
         final = CompletionChoice(index=index, text=text, logprobs=logprobs, **job.choice_end(index))

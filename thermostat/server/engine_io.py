@@ -5,6 +5,7 @@ deltas coming out."""
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -51,7 +52,8 @@ class OutputStream:
     ) -> None:
         self.queued: list[QueuedRequest] = []  # set when the engine accepts the group
         self._index: dict[str, int] = {}
-        self._queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+        self._items: deque[RequestDelta | BaseException] = deque()
+        self._waiter: asyncio.Future[None] | None = None  # the reader's, while it waits
         self._unfinished: set[str] = set()
         self._abort, self._on_close = abort, on_close
 
@@ -66,7 +68,13 @@ class OutputStream:
     async def __anext__(self) -> tuple[int, RequestDelta]:
         if not self._unfinished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
         if isinstance(item, BaseException):
             self._close()
             raise item
@@ -87,7 +95,9 @@ class OutputStream:
         self._on_close(self)
 
     def put(self, item: RequestDelta | BaseException) -> None:
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
 
 @dataclass

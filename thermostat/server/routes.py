@@ -46,9 +46,8 @@ def _json(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
-def _sse(request: Request, chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
-    on_error = functools.partial(count_server_error, request)
-    return sse((chunk.model_dump_json() async for chunk in chunks), on_error)
+def _sse(request: Request, chunks: AsyncIterator[str]) -> StreamingResponse:
+    return sse(chunks, functools.partial(count_server_error, request))
 
 
 def _stream_usage(body: ChatCompletionRequest | CompletionRequest) -> tuple[bool, bool]:
