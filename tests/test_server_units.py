@@ -164,7 +164,8 @@ TRICKY_TEXTS = ["", "w12", "héllo wörld", 'a"b\\c/d', "\n\t\r\x01\x1f\x7f", "�
 @pytest.mark.parametrize("text", TRICKY_TEXTS)
 def test_chunk_templates_write_the_bytes_the_chunk_models_write(text):
     """A streamed token's chunk is written by splicing its text into the model's own JSON
-    (ChunkTemplate): byte for byte what model_dump_json writes, for completions and chat."""
+    (ChunkTemplate): byte for byte what model_dump_json writes, for completions and chat, and
+    still so (built whole) when the marker shows up elsewhere in the chunk."""
     from thermostat.api.protocol import (
         ChatChunkChoice,
         ChatCompletionChunk,
@@ -174,17 +175,16 @@ def test_chunk_templates_write_the_bytes_the_chunk_models_write(text):
     )
     from thermostat.api.responses import ChunkTemplate
 
-    header = {"id": "cmpl-1", "created": 1796278295, "model": 'my "model" ünï'}
-
-    def completion(value):
-        return CompletionResponse(choices=[CompletionChoice(index=3, text=value)], **header)
+    def completion(value, model='my "model" ünï'):
+        choices = [CompletionChoice(index=3, text=value)]
+        return CompletionResponse(choices=choices, id="cmpl-1", created=1796278295, model=model)
 
     def chat(value):
         choice = ChatChunkChoice(index=0, delta=DeltaMessage(content=value))
-        return ChatCompletionChunk(choices=[choice], **header)
+        return ChatCompletionChunk(choices=[choice], id="chatcmpl-1", created=1, model="m")
 
-    for build in (completion, chat):
-        template = ChunkTemplate(build(ChunkTemplate.MARKER))
-        assert template(text) == build(text).model_dump_json()
-    with pytest.raises(ValueError, match="exactly one"):
-        ChunkTemplate(completion("no marker"))
+    def marker_named(value):
+        return completion(value, model=ChunkTemplate.MARKER)
+
+    for build in (completion, chat, marker_named):
+        assert ChunkTemplate(build)(text) == build(text).model_dump_json()

@@ -4,6 +4,7 @@ text is read for tool calls, whole or streamed, by server/tools.py's one rule (`
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -67,12 +68,13 @@ async def chat_chunks(
             extra.setdefault("usage", job.usage())
         return ChatCompletionChunk(choices=choices, **job.header(), **extra).model_dump_json()
 
-    def content_only(index: int) -> ChunkTemplate:  # a chunk of content alone, the common one
-        delta = DeltaMessage(content=ChunkTemplate.MARKER)
-        choice = ChatChunkChoice(index=index, delta=delta)
-        return ChunkTemplate(ChatCompletionChunk(choices=[choice], **job.header()))
+    def content_only(index: int, text: str) -> ChatCompletionChunk:  # the common chunk
+        choice = ChatChunkChoice(index=index, delta=DeltaMessage(content=text))
+        return ChatCompletionChunk(choices=[choice], **job.header())
 
-    templates = {} if continuous_usage else {i: content_only(i) for i in range(job.num_choices)}
+    templates = {} if continuous_usage else {
+        i: ChunkTemplate(functools.partial(content_only, i)) for i in range(job.num_choices)
+    }  # fmt: skip
     for index in range(job.num_choices):
         yield chunk(
             [ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]

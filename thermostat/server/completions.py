@@ -7,6 +7,7 @@ of them without a logprob: what lm-evaluation-harness's loglikelihood requests r
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -76,11 +77,13 @@ async def completion_chunks(
             extra.setdefault("usage", job.usage())
         return CompletionResponse(choices=choices, **job.header(), **extra).model_dump_json()
 
-    def text_only(index: int) -> ChunkTemplate:  # a chunk of text alone, the common one
-        choice = CompletionChoice(index=index, text=ChunkTemplate.MARKER)
-        return ChunkTemplate(CompletionResponse(choices=[choice], **job.header()))
+    def text_only(index: int, text: str) -> CompletionResponse:  # the common chunk
+        choice = CompletionChoice(index=index, text=text)
+        return CompletionResponse(choices=[choice], **job.header())
 
-    templates = {} if continuous_usage else {i: text_only(i) for i in range(job.num_choices)}
+    templates = {} if continuous_usage else {
+        i: ChunkTemplate(functools.partial(text_only, i)) for i in range(job.num_choices)
+    }  # fmt: skip
     offset = [0] * job.num_choices  # text_offset of the next token, per choice
     started = [False] * job.num_choices
     async for index, out in job.events():
