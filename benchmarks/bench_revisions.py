@@ -1,0 +1,129 @@
+"""Decode tok/s of two revisions of this repository, each in a process of its own, loads
+alternating: did a change make the engine faster?
+
+    .venv/bin/python benchmarks/bench_revisions.py BASE [HEAD] [--formats bf16 int8]
+        [--batches 1 32] [--repeats 8]
+
+BASE and HEAD are git revisions (HEAD defaults to the working tree, uncommitted changes
+included); each is checked out in a temporary git work tree, imported by a child process of its
+own (which builds or reuses its own CPU kernels) and serves the same random SmolLM2-135M-shaped
+weights. Every repetition runs both, one after the other, in alternating order, on new prompts
+(128 random tokens, 128 new tokens each, greedy); the table gives medians and the median of
+the per-repetition ratios. Give the same revision twice to see the noise of the machine.
+Loading two kernel builds into one process (the old one by path) is not a fair comparison: two
+loads of the *same* build came out 15-30% apart that way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+console = Console(stderr=True)
+REPO = Path(__file__).resolve().parent.parent
+
+CHILD = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import torch, thermostat
+from thermostat import LLM, SamplingParams
+assert thermostat.__file__.startswith(sys.argv[1]), thermostat.__file__
+model, formats = sys.argv[2], sys.argv[3].split(",")
+llms = {f: LLM(model, dtype="bfloat16", num_threads=2, max_num_seqs=64,
+               enable_prefix_caching=False, quantization=None if f == "bf16" else f)
+        for f in formats}
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:  # "FORMAT BATCH SEED"
+    fmt, batch, seed = line.split()
+    engine = llms[fmt].engine
+    gen = torch.Generator().manual_seed(int(seed))
+    prompts = torch.randint(100, 49152, (int(batch), 128), generator=gen).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    engine.add_group(f"bench-{seed}", engine.plan(prompts, params))
+    start, produced = time.perf_counter(), 0
+    while engine.has_unfinished():
+        produced += sum(len(out.new_token_ids) for out in engine.step())
+    print(json.dumps({"tok_s": produced / (time.perf_counter() - start)}), flush=True)
+"""
+
+
+def work_tree(stack: ExitStack, revision: str | None, tmp: Path, name: str) -> Path:
+    """The repository at `revision` (None: this checkout as it is) in a work tree of its own."""
+    if revision is None:
+        return REPO
+    path = tmp / name
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(path),
+                    revision], check=True)  # fmt: skip
+    stack.callback(subprocess.run, ["git", "-C", str(REPO), "worktree", "remove", "--force",
+                                    str(path)], check=False)  # fmt: skip
+    return path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("base", help="a git revision")
+    p.add_argument("head", nargs="?", help="a git revision (default: the working tree)")
+    p.add_argument("--formats", nargs="+", default=["bf16"], choices=["bf16", "int8", "int4"])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--repeats", type=int, default=8)
+    args = p.parse_args()
+    import torch
+
+    from thermostat.random_model import SMOLLM2_135M, write_model
+
+    runs: dict[tuple[str, str, int], list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        model = write_model(Path(tmp) / "model", "llama", dtype=torch.bfloat16, **SMOLLM2_135M)
+        sides = {"base": work_tree(stack, args.base, Path(tmp), "base"),
+                 "head": work_tree(stack, args.head, Path(tmp), "head")}  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="2")
+        children = {}
+        for side, tree in sides.items():
+            command = [sys.executable, "-c", CHILD, str(tree), str(model), ",".join(args.formats)]
+            child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=env, cwd=tmp)  # fmt: skip
+            stack.callback(child.kill)
+            children[side] = child
+        for side, child in children.items():
+            assert child.stdin and child.stdout
+            if not child.stdout.readline():
+                raise RuntimeError(f"the {side} engine ({sides[side]}) did not start")
+        for repeat in range(args.repeats):
+            for fmt in args.formats:
+                for batch in args.batches:
+                    order = list(children) if repeat % 2 == 0 else list(children)[::-1]
+                    for side in order:
+                        child = children[side]
+                        assert child.stdin and child.stdout
+                        child.stdin.write(f"{fmt} {batch} {repeat + 1}\n")
+                        child.stdin.flush()
+                        tok_s = json.loads(child.stdout.readline())["tok_s"]
+                        runs.setdefault((side, fmt, batch), []).append(tok_s)
+                    ratio = runs[("head", fmt, batch)][-1] / runs[("base", fmt, batch)][-1]
+                    console.print(f"repeat {repeat} {fmt} batch {batch}: head / base {ratio:.3f}")
+    table = Table(title=f"decode tok/s, {args.base} vs {args.head or 'working tree'}, "
+                  f"{args.repeats} alternating repetitions")  # fmt: skip
+    for column in ("format", "batch", "base", "head", "head / base", "per repetition"):
+        table.add_column(column, justify="left" if column == "per repetition" else "right")
+    for fmt in args.formats:
+        for batch in args.batches:
+            base, head = runs[("base", fmt, batch)], runs[("head", fmt, batch)]
+            ratios = [h / b for b, h in zip(base, head, strict=True)]
+            table.add_row(fmt, str(batch), f"{statistics.median(base):.1f}",
+                          f"{statistics.median(head):.1f}", f"{statistics.median(ratios):.3f}",
+                          " ".join(f"{r:.2f}" for r in ratios))  # fmt: skip
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
