@@ -34,8 +34,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 CHILD = """
 import json, sys, time
-sys.path.insert(0, sys.argv[1])
-import torch, thermostat
+sys.path[:0] = [sys.argv[1], sys.argv[4]]  # the revision's package, then this bench_http
+import thermostat
+from bench_http import prompts
 from thermostat import LLM, SamplingParams
 assert thermostat.__file__.startswith(sys.argv[1]), thermostat.__file__
 model, formats = sys.argv[2], sys.argv[3].split(",")
@@ -46,10 +47,9 @@ print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:  # "FORMAT BATCH SEED"
     fmt, batch, seed = line.split()
     engine = llms[fmt].engine
-    gen = torch.Generator().manual_seed(int(seed))
-    prompts = torch.randint(100, 49152, (int(batch), 128), generator=gen).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
-    engine.add_group(f"bench-{seed}", engine.plan(prompts, params))
+    batch_prompts = prompts(int(batch), 128, 49152, int(seed))
+    engine.add_group(f"bench-{seed}", engine.plan(batch_prompts, params))
     start, produced = time.perf_counter(), 0
     while engine.has_unfinished():
         produced += sum(len(out.new_token_ids) for out in engine.step())
@@ -89,7 +89,8 @@ def main() -> None:
         env = dict(os.environ, OMP_NUM_THREADS="2")
         children = {}
         for side, tree in sides.items():
-            command = [sys.executable, "-c", CHILD, str(tree), str(model), ",".join(args.formats)]
+            command = [sys.executable, "-c", CHILD, str(tree), str(model), ",".join(args.formats),
+                       str(REPO / "benchmarks")]  # fmt: skip
             child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env=env, cwd=tmp)  # fmt: skip
             stack.callback(child.kill)

@@ -72,9 +72,7 @@ async def chat_chunks(
         choice = ChatChunkChoice(index=index, delta=DeltaMessage(content=text))
         return ChatCompletionChunk(choices=[choice], **job.header())
 
-    templates = {} if continuous_usage else {
-        i: ChunkTemplate(functools.partial(content_only, i)) for i in range(job.num_choices)
-    }  # fmt: skip
+    templates = [ChunkTemplate(functools.partial(content_only, i)) for i in range(job.num_choices)]
     for index in range(job.num_choices):
         yield chunk(
             [ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]
@@ -82,7 +80,7 @@ async def chat_chunks(
     async for index, out in job.events():
         logprobs = None if out.new_logprobs is None else chat_logprobs(out.new_logprobs, tokens)
         stream = streams.get(index)
-        if stream is None and logprobs is None and not out.finished and templates:
+        if stream is None and logprobs is None and not out.finished and not continuous_usage:
             if out.new_text:
                 yield templates[index](out.new_text)
             continue

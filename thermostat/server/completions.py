@@ -81,9 +81,7 @@ async def completion_chunks(
         choice = CompletionChoice(index=index, text=text)
         return CompletionResponse(choices=[choice], **job.header())
 
-    templates = {} if continuous_usage else {
-        i: ChunkTemplate(functools.partial(text_only, i)) for i in range(job.num_choices)
-    }  # fmt: skip
+    templates = [ChunkTemplate(functools.partial(text_only, i)) for i in range(job.num_choices)]
     offset = [0] * job.num_choices  # text_offset of the next token, per choice
     started = [False] * job.num_choices
     async for index, out in job.events():
@@ -96,7 +94,7 @@ async def completion_chunks(
         if logprobs is not None:
             offset[index] += sum(len(t) for t in logprobs["tokens"])
         if not out.finished:
-            if logprobs is None and text and templates:
+            if logprobs is None and text and not continuous_usage:
                 yield templates[index](text)
             elif text or (logprobs and logprobs["tokens"]):
                 yield chunk([CompletionChoice(index=index, text=text, logprobs=logprobs)])
