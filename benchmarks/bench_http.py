@@ -210,7 +210,7 @@ def http_run(
             run.cpu_ms["server event loop"] = spent.pop(pid, 0) * per_token
             run.cpu_ms["server engine threads"] = sum(spent.values()) * per_token
         else:
-            run.cpu_ms[f"{name} process"] = sum(spent.values()) * per_token
+            run.cpu_ms["server process"] = sum(spent.values()) * per_token
     return run
 
 
@@ -327,7 +327,7 @@ def main() -> None:
                         run = load(c, seed=c)
                         runs.setdefault((name, c), []).append(run.tok_s)
                         for part, ms in run.cpu_ms.items():
-                            key = ("llama-server " if name == "llama-server" else "") + part
+                            key = ("llama-server: " if name == "llama-server" else "") + part
                             cpu.setdefault((key, c), []).append(ms)
                         console.print(f"repeat {repeat} c={c} {name}: {run.tok_s:.1f} tok/s")
                     ratio = runs[("thermostat (HTTP)", c)][-1]
