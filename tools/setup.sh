@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install Chromium and promtool (Debian), create .venv, install Thermostat with its test extras
-# (Playwright drives Debian's Chromium; it downloads no browser) and build its CPU kernels for this
+# Install Chromium and promtool (Debian), create .venv, install Thermostat with its test and
+# benchmark extras (Playwright drives Debian's Chromium; it downloads no browser; aiohttp is the
+# benchmarks' load client) and build its CPU kernels for this
 # machine (cached per source, torch, flags and CPU under ~/.cache/thermostat/kernels, so no server
 # start compiles; says "off" and succeeds on a CPU without AVX-512 BF16). torch is pinned to the
 # CPU build (2.13.0); nothing here may pull another torch.
@@ -18,5 +19,5 @@ fi
 [[ -x .venv/bin/python ]] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/python -m pip install -q -e '.[test,bench]'
 .venv/bin/python -m thermostat.kernels
