@@ -126,3 +126,30 @@ def test_a_server_process_freezes_its_startup_heap_once_ready():
         assert gc.get_freeze_count() > before
     finally:
         gc.unfreeze()
+
+
+def test_the_event_loop_thread_does_not_preempt_the_engine_thread(tmp_path):
+    """While an engine serves, the thread of its event loop is SCHED_BATCH (its wake-ups wait for
+    a tick or a yield instead of preempting the engine thread before a forward's threads fork:
+    thermostat/server/loop_policy.py) and the engine thread keeps SCHED_OTHER; a thread gets its
+    policy back from `restore_policy` (AsyncEngine.stop)."""
+    from tests.server_utils import running_server
+    from thermostat.server.loop_policy import batch_policy, restore_policy
+
+    model = write_model(tmp_path / "model", "llama")
+    with running_server(model) as s:
+        engine = s.state.engine
+        assert engine is not None and engine._thread is not None
+        answer = s.client().completions.create(model=s.model, prompt="It was", max_tokens=3)
+        assert answer.usage is not None and answer.usage.completion_tokens == 3
+        assert os.sched_getscheduler(s.thread.native_id) == os.SCHED_BATCH
+        assert os.sched_getscheduler(engine._thread.native_id) == os.SCHED_OTHER
+
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    before = batch_policy()
+    try:
+        assert before == os.SCHED_OTHER and os.sched_getscheduler(0) == os.SCHED_BATCH
+        assert batch_policy() is None, "already batch: nothing to restore later"
+    finally:
+        restore_policy(before)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
