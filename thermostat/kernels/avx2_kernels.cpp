@@ -11,7 +11,8 @@
 //
 // Batch invariance as in the AVX-512 build: each output is one fixed sequence of operations
 // whatever the number of rows, so a row's bits never depend on the rows batched with it.
-// Threads: at::parallel_for over 16- or 32-output units (DecodeStack: decode_stack.h's team).
+// Threads: 16- or 32-output units, the linears' taken by whichever thread asks first
+// (common.h's parallel_pieces); DecodeStack: decode_stack.h's team.
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -527,7 +528,7 @@ torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, int64_t N,
   const auto xpad = pad_rows(x.contiguous(), M, Kp);
   const auto* xp = reinterpret_cast<const uint16_t*>(xpad.data_ptr<c10::BFloat16>());
   const int64_t used = (N + 15) / 16;  // column blocks holding outputs (the rest is padding)
-  at::parallel_for(0, used, 1, [&](int64_t b, int64_t e) {
+  parallel_pieces(used, 8, [&](int64_t b, int64_t e) {
     bf16_blocks(xp, M, Kp, wp, KS, bp, yp, N, b, e);
   });
   return y;
@@ -740,7 +741,7 @@ void linear_quant_impl(const torch::Tensor& x, const torch::Tensor& packed, cons
   const auto* wp = packed.data_ptr<uint8_t>();
   T* yp = y.data_ptr<T>();
   const int64_t units = (N + 31) / 32;  // 32-output units holding outputs
-  at::parallel_for(0, units, 1, [&](int64_t b, int64_t e) {
+  parallel_pieces(units, 8, [&](int64_t b, int64_t e) {
     quant_units<BITS>(a, M, wp, KB, bias, yp, N, b, e);
   });
 }

@@ -23,13 +23,18 @@
 
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <omp.h>
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <exception>
+#include <mutex>
 #include <vector>
 
 namespace {
@@ -44,6 +49,35 @@ namespace {
       default: TORCH_CHECK_VALUE(false, name, ": unsupported dtype ", dtype); \
     }                                                                       \
   }()
+
+// f(b, e) over [0, n), `pieces` pieces per thread, each piece taken by whichever thread asks
+// first. at::parallel_for gives each thread one fixed share: a thread preempted in its share (the
+// server's event loop, a client) holds the op until it runs again while the others wait at the
+// join; here it holds one piece, and the others take the rest. For ops whose arithmetic per
+// output does not depend on the split (the linears): the same bits either way.
+template <typename F>
+void parallel_pieces(int64_t n, int64_t pieces, const F& f) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1 || omp_in_parallel()) {
+    f(0, n);
+    return;
+  }
+  const int64_t grain = std::max<int64_t>(1, (n + threads * pieces - 1) / (threads * pieces));
+  std::atomic<int64_t> next{0};
+  std::exception_ptr error;
+  std::mutex mu;
+#pragma omp parallel num_threads(threads)
+  for (int64_t b = next.fetch_add(grain); b < n; b = next.fetch_add(grain)) {
+    try {
+      f(b, std::min(n, b + grain));
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!error) error = std::current_exception();
+      next.store(n);
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
 
 torch::Tensor pack_vnni(torch::Tensor w) {
   TORCH_CHECK_VALUE(w.dim() == 2 && w.scalar_type() == at::kBFloat16,

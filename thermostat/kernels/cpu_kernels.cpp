@@ -20,8 +20,9 @@
 //                  build compiles too)
 //
 // Every function checks its inputs and raises (a Python ValueError/RuntimeError) rather than
-// reading out of bounds. Threads: at::parallel_for (or, for DecodeStack, one OpenMP parallel
-// region), the same OpenMP pool as torch.
+// reading out of bounds. Threads: at::parallel_for, the linears' pieces taken by whichever
+// thread asks first (common.h's parallel_pieces), for DecodeStack one OpenMP parallel region; the
+// same OpenMP pool as torch.
 
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -509,7 +510,7 @@ void bf16_blocks(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, in
 
 void linear_dpbf16(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, int64_t NB,
                    int64_t KS, const float* bias, c10::BFloat16* y, int64_t N) {
-  at::parallel_for(0, NB, 1, [&](int64_t b, int64_t e) {
+  parallel_pieces(NB, 8, [&](int64_t b, int64_t e) {
     bf16_blocks(x, M, Kp, W, KS, bias, y, N, b, e);
   });
 }
@@ -597,7 +598,7 @@ inline void write_c_tile(int t, int64_t M, int64_t m0, int64_t N, int64_t n0, co
 void linear_amx(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, int64_t NB,
                 int64_t KS, const float* bias, c10::BFloat16* y, int64_t N) {
   const int64_t slabs = (M + kAmxRows - 1) / kAmxRows;
-  at::parallel_for(0, slabs * (NB / 2), 1, [&](int64_t b, int64_t e) {
+  parallel_pieces(slabs * (NB / 2), 8, [&](int64_t b, int64_t e) {
     TileConfig cfg;
     for (int t = 0; t < 8; ++t) {
       cfg.rows[t] = 16;
@@ -832,7 +833,7 @@ void linear_quant_impl(const torch::Tensor& x, const torch::Tensor& packed, cons
   });
   const auto* wp = packed.data_ptr<uint8_t>();
   T* yp = y.data_ptr<T>();
-  at::parallel_for(0, 2 * G, 1, [&](int64_t b, int64_t e) {
+  parallel_pieces(2 * G, 8, [&](int64_t b, int64_t e) {
     quant_units<BITS>(a, M, wp, KB, bias, yp, N, b, e);
   });
 }
