@@ -447,9 +447,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::
 // Per output one float32 accumulator over K pairs in order: a 32-bit element of the packing
 // holds W[n][k] (low half) and W[n][k + 1] (high half), widened to float by a shift and a mask,
 // two fused multiply-adds against x[k], x[k + 1]. x's rows are widened to float once per call
-// (exactly: a bf16 is the high half of its float), so a tile broadcasts them straight from
-// memory. Tiles: up to kRows rows x one column block of 16 outputs (2 kRows accumulators), K
-// outermost within the tile.
+// (per piece in the decode team; exactly: a bf16 is the high half of its float), so a tile
+// broadcasts them straight from memory. Tiles: up to kRows rows x one column block of 16 outputs
+// (2 kRows accumulators), K outermost within the tile.
 
 constexpr int kRows = 4;
 
@@ -486,17 +486,10 @@ inline void bf16_tile(const float* x, int64_t Kp, const uint16_t* W, int64_t KS,
   }
 }
 
-// Column blocks [nb0, nb1) of 16 outputs for every row of x [M, Kp] (bf16 bits), in row tiles of
-// kRows then the rest; an output's arithmetic is the same whichever tile holds it.
-void bf16_blocks(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, int64_t KS,
-                 const float* bias, c10::BFloat16* y, int64_t N, int64_t nb0, int64_t nb1) {
-  static thread_local std::vector<float> widened;  // this thread's, reused per call
-  widened.resize(M * Kp);
-  float* xf = widened.data();
-  for (int64_t i = 0; i < M * Kp; i += kLanes) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
-    _mm256_storeu_ps(xf + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-  }
+// Column blocks [nb0, nb1) of 16 outputs for every row of xf [M, Kp] (x widened to float), in
+// row tiles of kRows then the rest; an output's arithmetic is the same whichever tile holds it.
+void float_blocks(const float* xf, int64_t M, int64_t Kp, const uint16_t* W, int64_t KS,
+                  const float* bias, c10::BFloat16* y, int64_t N, int64_t nb0, int64_t nb1) {
   for (int64_t nb = nb0; nb < nb1; ++nb) {
     int64_t m = 0;
     for (; m + kRows <= M; m += kRows) bf16_tile<kRows>(xf, Kp, W, KS, bias, y, N, m, nb);
@@ -508,6 +501,19 @@ void bf16_blocks(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, in
       default: break;
     }
   }
+}
+
+// The same for x [M, Kp] in bf16 bits, widened into this thread's buffer first.
+void bf16_blocks(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, int64_t KS,
+                 const float* bias, c10::BFloat16* y, int64_t N, int64_t nb0, int64_t nb1) {
+  static thread_local std::vector<float> widened;  // this thread's, reused per call
+  widened.resize(M * Kp);
+  float* xf = widened.data();
+  for (int64_t i = 0; i < M * Kp; i += kLanes) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
+    _mm256_storeu_ps(xf + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+  float_blocks(xf, M, Kp, W, KS, bias, y, N, nb0, nb1);
 }
 
 // y [M, N] = x [M, K] W^T (+ bias) with W packed by pack_vnni; any M >= 1, the same bits per row.
@@ -525,11 +531,11 @@ torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, int64_t N,
   auto y = torch::empty({M, N}, x.options());
   auto* yp = y.data_ptr<c10::BFloat16>();
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
-  const auto xpad = pad_rows(x.contiguous(), M, Kp);
-  const auto* xp = reinterpret_cast<const uint16_t*>(xpad.data_ptr<c10::BFloat16>());
+  const auto xf = pad_rows(x.contiguous(), M, Kp).to(at::kFloat);  // widened once (exact)
+  const float* xp = xf.data_ptr<float>();
   const int64_t used = (N + 15) / 16;  // column blocks holding outputs (the rest is padding)
   parallel_pieces(used, 8, [&](int64_t b, int64_t e) {
-    bf16_blocks(xp, M, Kp, wp, KS, bp, yp, N, b, e);
+    float_blocks(xp, M, Kp, wp, KS, bp, yp, N, b, e);
   });
   return y;
 }

@@ -510,8 +510,8 @@ void bf16_blocks(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, in
 
 void linear_dpbf16(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, int64_t NB,
                    int64_t KS, const float* bias, c10::BFloat16* y, int64_t N) {
-  parallel_pieces(NB, 8, [&](int64_t b, int64_t e) {
-    bf16_blocks(x, M, Kp, W, KS, bias, y, N, b, e);
+  parallel_pieces((NB + 3) / 4, 8, [&](int64_t b, int64_t e) {  // whole quads of blocks
+    bf16_blocks(x, M, Kp, W, KS, bias, y, N, 4 * b, std::min(NB, 4 * e));
   });
 }
 
