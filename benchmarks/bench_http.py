@@ -9,11 +9,11 @@ bench_engine.py does; `../shared/peers/` builds llama-server and converts its `s
 Every load is 128 random prompt token ids and 128 new tokens per request (`ignore_eos`,
 greedy: the sampler's cost is not what is compared), streamed, every chunk parsed as a client
 would, by an aiohttp client on uvloop (the load generator of vLLM's and SGLang's serving
-benchmarks; httpx spent 0.46 / 0.10 ms of CPU a token at c=1 / c=32 on this machine's 2 cores,
-aiohttp 0.20 / 0.04): concurrency C sends `max(C, 4)` requests (C
-at a time), and the offline engine gets the same prompts through `LLM.generate`, C at a time
-(at c=1: the same four requests one after another, so both sides do the same work over the
-same seconds of a noisy machine), each in its own process with 2 torch threads. Every contender
+benchmarks; httpx spent 0.46 / 0.10 ms of CPU a token at c=1 / c=32 on 2 cores, aiohttp 0.20 /
+0.04): concurrency C sends `max(C, 4)` requests (C at a time), and the offline engine gets the
+same prompts through `LLM.generate`, C at a time (at c=1: the same four requests one after
+another, so both sides do the same work over the same seconds of a noisy machine), each in its
+own process with 2 torch threads. Every contender
 starts once and stays up for the whole run; before the first measured load each runs one
 unmeasured load per concurrency of the same shape on other prompts, so one-time costs (first
 allocations, new matmul shapes, new connections) stay out of every figure alike. Each repeat
