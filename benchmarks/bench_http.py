@@ -184,7 +184,9 @@ async def http_load_async(url: str, batch: list[list[int]], concurrency: int, ar
         tokens = await asyncio.gather(*(one(p) for p in batch))
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     if sum(tokens) != len(batch) * args.output_tokens:
-        raise RuntimeError(f"{url}: {sum(tokens)} tokens generated, not {len(batch)} x 128")
+        raise RuntimeError(
+            f"{url}: {sum(tokens)} tokens generated, not {len(batch)} x {args.output_tokens}"
+        )
     return Run(sum(tokens) / elapsed, {"load client": cpu * 1e3 / sum(tokens)})
 
 
