@@ -17,5 +17,6 @@ keeps torch, `engine/`, `models/`, `disagg/` and `server/` out of it).
 | arguments.py      | the flags `serve` and the gateway share                              |
 | config.py         | the settings every edge has (EdgeConfig) and their flags             |
 | lifecycle.py      | uvicorn with readiness and a graceful drain                          |
-| responses.py      | rules every response follows: its quality, the SSE writer            |
+| responses.py      | rules every response follows: its quality, the SSE writers           |
+| agents/           | the coding agents' APIs (Responses, Messages) as chat translations   |
 """

@@ -50,7 +50,8 @@ def add_operations_arguments(o: argparse._ActionsContainer) -> None:
         "--api-key",
         default=os.environ.get("THERMOSTAT_API_KEY"),
         metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on /v1 (default: $THERMOSTAT_API_KEY)",
+        help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1 "
+        "(default: $THERMOSTAT_API_KEY)",
     )
     o.add_argument(
         "--drain-timeout",
@@ -71,4 +72,12 @@ def add_operations_arguments(o: argparse._ActionsContainer) -> None:
         default=16.0,
         metavar="MB",
         help="request bodies larger than this get a 413 before they are read",
+    )
+    o.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="/v1/responses keeps the last N stored responses (previous_response_id, GET); "
+        "older ones are dropped, a request with store=false keeps nothing",
     )

@@ -115,7 +115,7 @@ class BodyLimitsMiddleware:
         )
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await error_response(too_large)(scope, receive, send)
+            await error_response(too_large, scope["path"])(scope, receive, send)
             return
         chunks: list[bytes] = []
         size = 0
@@ -126,7 +126,7 @@ class BodyLimitsMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                await error_response(too_large)(scope, receive, send)
+                await error_response(too_large, scope["path"])(scope, receive, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -134,7 +134,7 @@ class BodyLimitsMiddleware:
         body = b"".join(chunks)
         refusal = check_body(body)
         if refusal is not None:
-            await error_response(refusal)(scope, receive, send)
+            await error_response(refusal, scope["path"])(scope, receive, send)
             return
         await self.app(scope, _replay(body, receive), send)
 

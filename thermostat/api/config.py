@@ -25,6 +25,7 @@ class EdgeConfig:
     max_body_bytes: int = 16 * 2**20  # larger request bodies get a 413 before they are read
     console: bool = True  # GET /console (api/console.py)
     console_keep_text: bool = False  # the console's recent requests keep prompt and output text
+    responses_store_size: int = 1024  # /v1/responses: stored responses kept, oldest dropped
 
     def __post_init__(self) -> None:
         if self.max_queue is not None and self.max_queue < 1:
@@ -33,6 +34,8 @@ class EdgeConfig:
             raise ValueError("api_key must not be empty")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.responses_store_size < 0:
+            raise ValueError(f"responses_store_size must be >= 0, got {self.responses_store_size}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
 
@@ -50,4 +53,5 @@ def edge_options(args: argparse.Namespace) -> dict[str, Any]:
         max_body_bytes=int(args.max_body_mb * 2**20),
         console=not args.no_console,
         console_keep_text=args.console_keep_text,
+        responses_store_size=args.responses_store_size,
     )

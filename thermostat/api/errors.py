@@ -9,6 +9,9 @@
 
 Bad input is a 4xx naming the parameter at fault, never a 500 and never a silent clamp; a bug of
 ours is a 500, never a 400. Every 5xx is counted in `thermostat_server_errors_total`.
+
+Under `/v1/messages` (Anthropic's API) the same error, with the same status, is written in
+Anthropic's shape: `{"type": "error", "error": {"type", "message"}}` (`anthropic_error`).
 """
 
 from __future__ import annotations
@@ -77,12 +80,34 @@ def classify(exc: BaseException) -> APIError:
     )
 
 
-def error_body(err: APIError) -> dict[str, Any]:
+ANTHROPIC_PATH = "/v1/messages"
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error(err: APIError) -> dict[str, Any]:
+    """Anthropic's shape of an error: its type from the status (as Anthropic's API types it)."""
+    default = "api_error" if err.status >= 500 else "invalid_request_error"
+    kind = ANTHROPIC_TYPES.get(err.status, default)
+    return {"type": "error", "error": {"type": kind, "message": err.info.message}}
+
+
+def error_body(err: APIError, path: str = "") -> dict[str, Any]:
+    """The error's body in the shape of the API `path` belongs to."""
+    if path.startswith(ANTHROPIC_PATH):
+        return anthropic_error(err)
     return ErrorResponse(error=err.info).model_dump()
 
 
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(error_body(err), status_code=err.status, headers=err.headers)
+def error_response(err: APIError, path: str = "") -> JSONResponse:
+    return JSONResponse(error_body(err, path), status_code=err.status, headers=err.headers)
 
 
 def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
@@ -111,7 +136,7 @@ def refuse(request: Request, err: APIError) -> JSONResponse:
         "code": err.info.code,
     }
     request_log.info(json.dumps(line))
-    return error_response(err)
+    return error_response(err, request.url.path)
 
 
 def count_server_error(request: Request, err: APIError) -> None:

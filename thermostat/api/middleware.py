@@ -63,7 +63,7 @@ class GateMiddleware:
         try:
             refusal = self._refusal(scope, path)
             if refusal is not None:
-                await error_response(refusal)(scope, receive, send_counted)
+                await error_response(refusal, path)(scope, receive, send_counted)
             else:
                 await self.app(scope, receive, send_counted)
         finally:
@@ -78,10 +78,13 @@ class GateMiddleware:
         if key is not None and path.startswith(PROTECTED_PREFIXES):
             headers = dict(scope["headers"])
             given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, b"Bearer " + key.encode()):
+            bearer = hmac.compare_digest(given, b"Bearer " + key.encode())
+            # Anthropic's clients send the key as x-api-key
+            if not bearer and not hmac.compare_digest(headers.get(b"x-api-key", b""), key.encode()):
                 return APIError(
                     401,
-                    "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                    "missing or invalid API key: send 'Authorization: Bearer <key>' "
+                    "(or 'x-api-key: <key>')",
                     code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},
                 )

@@ -5,6 +5,7 @@
 | which choice's quality is the response's | `response_quality`: the first degenerate, else 0 |
 | how a stream is written                  | `sse`: events, in-band errors, then `[DONE]`     |
 | a stream's token chunks, cheaply         | `ChunkTemplate`: the model's JSON, text spliced  |
+| how a stream of named events is written  | `named_sse`: the agents' APIs (no `[DONE]`)      |
 """
 
 from __future__ import annotations
@@ -72,6 +73,30 @@ def sse(events: AsyncIterator[str], on_error: Callable[[APIError], None]) -> Str
             on_error(err)
             yield sse_event(json.dumps(error_body(err)))
         yield "data: [DONE]\n\n"
+
+    return StreamingResponse(
+        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+def named_sse(
+    events: AsyncIterator[tuple[str, dict[str, Any]]],
+    on_error: Callable[[APIError], None],
+    error_event: Callable[[APIError], tuple[str, dict[str, Any]]],
+) -> StreamingResponse:
+    """A stream of named events (`event:` and `data:` lines), as the Responses and Messages APIs
+    write them; an APIError raised once the 200 went out becomes the API's error event."""
+
+    def write(name: str, data: dict[str, Any]) -> str:
+        return f"event: {name}\n" + sse_event(json.dumps(data))
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for name, data in events:
+                yield write(name, data)
+        except APIError as err:
+            on_error(err)
+            yield write(*error_event(err))
 
     return StreamingResponse(
         body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}

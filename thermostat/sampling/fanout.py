@@ -38,13 +38,17 @@ def per_sample(resolution: Resolution, n: int) -> list[Resolution]:
 
 
 def plan(
-    resolution: Resolution, prompts: Sequence[Sequence[int]], context_len: int, n: int = 1
+    resolution: Resolution,
+    prompts: Sequence[Sequence[int]],
+    context_len: int,
+    n: int = 1,
+    cap_sent: bool = False,
 ) -> Plan:
     """Every choice's resolution, in index order: fitted to its prompt (`fit_to_context`, which
-    may refuse), then `per_sample`."""
+    may refuse; `cap_sent`: a sent max_tokens is cut to the room), then `per_sample`."""
     choices = [
         child
         for prompt in prompts
-        for child in per_sample(fit_to_context(resolution, len(prompt), context_len), n)
+        for child in per_sample(fit_to_context(resolution, len(prompt), context_len, cap_sent), n)
     ]
     return Plan(tuple(tuple(p) for p in prompts), n, tuple(choices))

@@ -178,15 +178,18 @@ def resolve(params: SamplingParams, defaults: SamplingDefaults) -> Resolution:
     return Resolution(effective=effective, source=source, adjusted=tuple(adjusted))
 
 
-def fit_to_context(resolution: Resolution, prompt_len: int, context_len: int) -> Resolution:
+def fit_to_context(
+    resolution: Resolution, prompt_len: int, context_len: int, cap_sent: bool = False
+) -> Resolution:
     """The resolution of one prompt of `prompt_len` tokens in a context of `context_len`. An
     omitted max_tokens becomes the room left; an operator's cap larger than the room is lowered
     to it and recorded as an Adjustment (policy "context_length"); a sent one that does not fit
-    is refused (SamplingParamError), as is a prompt that leaves no room to generate."""
+    is refused (SamplingParamError), or with `cap_sent` (the agents' APIs) lowered as an
+    operator's is; a prompt that leaves no room to generate is refused."""
     eff = resolution.effective
     room = context_len - prompt_len
     wanted = room if eff.max_tokens is None else eff.max_tokens
-    if resolution.source["max_tokens"] == "request" and wanted > room:
+    if resolution.source["max_tokens"] == "request" and wanted > room and not cap_sent:
         raise SamplingParamError(
             "max_tokens",
             f"prompt ({prompt_len} tokens) + max_tokens ({wanted}) exceeds the "

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
+from thermostat.api.agents.response_store import ResponseStore
+from thermostat.api.agents.routes import agent_router
 from thermostat.api.body_limits import BodyLimitsMiddleware
 from thermostat.api.console import install_console
 from thermostat.api.defaults import DefaultsReport
@@ -14,6 +16,7 @@ from thermostat.api.middleware import GateMiddleware
 from thermostat.engine.checkpoint import ModelLoadError
 from thermostat.engine.loader import DEMO_MODEL_DIR, model_config_dict, resolve_model_path
 from thermostat.engine.speculative import no_next_n
+from thermostat.server.agent_backend import ServeChat
 from thermostat.server.config import ServerConfig
 from thermostat.server.routes import router
 from thermostat.server.state import ServerState
@@ -49,6 +52,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     app.include_router(router)
     app.include_router(tokenizer_router)
+    app.include_router(agent_router(ServeChat(), ResponseStore(config.responses_store_size)))
     install_console(app, config)
     state.route_paths = {getattr(route, "path", "") for route in app.routes}
     app.add_middleware(BodyLimitsMiddleware, state=state)  # inside the gate: after auth

@@ -86,22 +86,24 @@ async def models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [card]}
 
 
-async def _submit(
+async def submit(
     request: Request,
     endpoint: str,
     body: ChatCompletionRequest | CompletionRequest,
     prompts: list[Prompt],
     params: SamplingParams,
+    cap_max_tokens: bool = False,
 ) -> Job | Response:
     """Queue the request as this server's role takes it: whole, or the prefill half (answered
-    here, once handed off), or the decode half (once its prefill's KV is in hand)."""
+    here, once handed off), or the decode half (once its prefill's KV is in hand).
+    `cap_max_tokens`: Serving.plan's."""
     state = _state(request)
     role = state.role
     client = request.headers.get("user-agent")
 
     def plan() -> Plan:
         try:
-            return state.serving.plan(body.model, prompts, params)
+            return state.serving.plan(body.model, prompts, params, cap_max_tokens)
         except APIError as err:
             if err.info.code == GreedyRejected.code:
                 state.metrics.on_greedy_rejected(endpoint, client, err.info.message)
@@ -135,7 +137,7 @@ def _disaggregated(planned: Plan) -> Plan:
     return planned
 
 
-def _chat_params(
+def chat_params(
     state: ServerState, body: ChatCompletionRequest
 ) -> tuple[SamplingParams, ToolRequest | None]:
     """A chat body's SamplingParams, its forced tool call (if any) one of its constraints."""
@@ -146,9 +148,9 @@ def _chat_params(
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = _state(request)
-    params, tools = _chat_params(state, body)
+    params, tools = chat_params(state, body)
     prompt = state.prompts.chat(body.messages, tools.tools if tools else None)
-    job = await _submit(request, "chat", body, [prompt], params)
+    job = await submit(request, "chat", body, [prompt], params)
     if isinstance(job, Response):
         return job
     if body.stream:
@@ -162,7 +164,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     state = _state(request)
     params = to_sampling_params(body)
     prompts = state.prompts.completion(body.prompt)
-    job = await _submit(request, "completions", body, prompts, params)
+    job = await submit(request, "completions", body, prompts, params)
     if isinstance(job, Response):
         return job
     echo = bool(body.echo)
@@ -185,7 +187,7 @@ async def sampling_explain(request: Request) -> dict[str, Any]:
     state = _state(request)
     body = await read_body(request)
     if isinstance(body, ChatCompletionRequest):
-        params = _chat_params(state, body)[0]
+        params = chat_params(state, body)[0]
     else:
         params = to_sampling_params(body)
     resolution = state.serving.explain(body.model, params)

@@ -251,14 +251,21 @@ class Serving:
         self.check_model(model)
         return resolve(params, self.defaults)
 
-    def plan(self, model: str | None, prompts: list[Prompt], params: SamplingParams) -> Plan:
-        """The request's one plan: resolved, each choice fitted to its prompt. Raises APIError
-        (4xx) for what cannot be served."""
+    def plan(
+        self,
+        model: str | None,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        cap_max_tokens: bool = False,
+    ) -> Plan:
+        """The request's one plan: resolved, each choice fitted to its prompt (`cap_max_tokens`:
+        a sent max_tokens cut to the room, as the agents' APIs serve it). Raises APIError (4xx)
+        for what cannot be served."""
         self.check_model(model)
         try:
             resolution = resolve(params, self.defaults)
             ids = [p.token_ids for p in prompts]
-            return plan(resolution, ids, self.context_len, params.n or 1)
+            return plan(resolution, ids, self.context_len, params.n or 1, cap_max_tokens)
         except Exception as exc:
             raise classify(exc) from exc
 
@@ -285,7 +292,7 @@ class Serving:
                 code="queue_full",
                 headers={"Retry-After": str(self.retry_after_s)},
             )
-        prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+        prefix = "cmpl" if endpoint == "completions" else "chatcmpl"
         job_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
             stream = await self.engine.add(GroupInput(job_id, planned, handoff, handoffs))

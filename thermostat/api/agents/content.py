@@ -1,0 +1,86 @@
+"""What the two agents' translations share: a content list's text, the chat tool of a custom
+(freeform) tool, and the note of tools a server cannot run."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from thermostat.api.errors import APIError
+
+# A freeform tool (OpenAI's `custom`) as a chat tool: one string argument, its raw input.
+CUSTOM_INPUT = "input"
+
+
+def invalid(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param.split(".")[0].split("[")[0])
+
+
+def parts_text(content: Any, where: str, text_types: Iterable[str]) -> str:
+    """The text of a content that is a string or a list of text parts (of `text_types`); any
+    other part (an image, a file) is refused, naming it."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(where, f"must be a string or a list of parts, got {type(content).__name__}")
+    kinds = tuple(text_types)
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, Mapping):
+            raise invalid(f"{where}[{i}]", "must be an object")
+        kind = part.get("type")
+        if kind not in kinds:
+            raise invalid(
+                f"{where}[{i}].type",
+                f"{kind!r} is not supported (text only: {', '.join(kinds)})",
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise invalid(f"{where}[{i}].text", "must be a string")
+        texts.append(text)
+    return "".join(texts)
+
+
+def custom_tool_function(name: str, description: str | None, grammar: str | None) -> dict:
+    """The chat tool a freeform tool is shown to the model as: its input is one string (what
+    the families' templates know how to write), the grammar it follows stated in its
+    description."""
+    text = description or ""
+    if grammar:
+        text += f"\n\nThe `{CUSTOM_INPUT}` string follows this Lark grammar:\n{grammar}"
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": text.strip(),
+            "parameters": {
+                "type": "object",
+                "properties": {CUSTOM_INPUT: {"type": "string"}},
+                "required": [CUSTOM_INPUT],
+                "additionalProperties": False,
+            },
+        },
+    }
+
+
+def custom_input(arguments: str) -> str:
+    """A freeform tool's input from the chat call's arguments text (`{"input": "..."}`); the
+    text as it is when the model wrote something else."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    if isinstance(value, dict) and isinstance(value.get(CUSTOM_INPUT), str):
+        return value[CUSTOM_INPUT]
+    return arguments
+
+
+def tool_arguments(arguments: str) -> dict[str, Any]:
+    """A call's arguments as an object (Anthropic's `input`); text that is not a JSON object
+    (a call cut by max_tokens) is kept whole under `_raw`, never dropped."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {"_raw": arguments} if arguments else {}
+    return value if isinstance(value, dict) else {"_raw": arguments}
