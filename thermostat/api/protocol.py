@@ -144,6 +144,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDef] | None = None  # with messages: the template sees them (vLLM's)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
 

@@ -130,10 +130,12 @@ def local_generator(model: str, kv_cache: str, weights: str, max_tokens: int, op
     return llm, generate
 
 
-def remote_generator(url: str, model: str | None, api_key: str | None, max_tokens: int):
+def remote_generator(
+    url: str, model: str | None, api_key: str | None, max_tokens: int, endpoint: str
+):
     from thermostat.commands.verify import Client
 
-    client = Client(url, model, api_key, endpoint="completions")
+    client = Client(url, model, api_key, endpoint=endpoint)
 
     def generate(prompts: list[str], fields: dict) -> list[str]:
         return [client.complete(p, max_tokens=max_tokens, **fields)["text"] for p in prompts]
@@ -161,6 +163,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", help="model directory ('demo'), or name with --url")
     p.add_argument("--url", help="diagnose a running server (decoding factor only)")
     p.add_argument("--api-key")
+    p.add_argument(
+        "--endpoint",
+        choices=["completions", "chat", "responses", "messages"],
+        default="completions",
+        help="with --url: the API the probes go through (as `verify --endpoint`)",
+    )
     p.add_argument("--prompts", type=Path, help="a text file, one prompt per line")
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
@@ -198,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
                 args.model if args.model != "demo" else None,
                 args.api_key,
                 args.max_tokens,
+                args.endpoint,
             )
             setups: list[tuple[str, str, Callable, dict | None]] = [
                 ("remote", "remote", generate, None)

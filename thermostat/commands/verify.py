@@ -34,6 +34,7 @@ EPILOG = """examples:
   thermostat verify http://127.0.0.1:8000
   thermostat verify http://gpu-box:30001 --model deepseek-v4 --api-key "$KEY"
   thermostat verify http://127.0.0.1:8080 --endpoint completions --json
+  thermostat verify http://127.0.0.1:8000 --endpoint messages   # as Claude Code asks
 
 exit status: 0 healthy, 1 a check failed (e.g. the default decoding is greedy), 2 unreachable.
 """
@@ -53,8 +54,35 @@ class Check:
     detail: str
 
 
+ENDPOINTS = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "responses": "/v1/responses",  # OpenAI's Responses API (Codex CLI's)
+    "messages": "/v1/messages",  # Anthropic's Messages API (Claude Code's)
+}
+
+
+def _text_and_end(endpoint: str, data: dict[str, Any]) -> tuple[str | None, str | None]:
+    """An answer's text and why it ended, in each API's shape."""
+    if endpoint == "responses":
+        texts = [
+            part.get("text", "")
+            for item in data.get("output", [])
+            if item.get("type") == "message"
+            for part in item.get("content", [])
+        ]
+        details = data.get("incomplete_details") or {}
+        return "".join(texts), details.get("reason") or data.get("status")
+    if endpoint == "messages":
+        texts = [b.get("text", "") for b in data.get("content", []) if b.get("type") == "text"]
+        return "".join(texts), data.get("stop_reason")
+    choice = data["choices"][0]
+    text = choice["message"]["content"] if endpoint == "chat" else choice["text"]
+    return text, choice.get("finish_reason")
+
+
 class Client:
-    """Minimal OpenAI-compatible client: one endpoint, bounded timeouts."""
+    """Minimal client of one endpoint (ENDPOINTS), bounded timeouts."""
 
     def __init__(
         self,
@@ -65,8 +93,9 @@ class Client:
         user_agent: str = "thermostat-verify",
     ):
         headers = {"User-Agent": user_agent}
-        if api_key:
+        if api_key:  # both spellings: OpenAI's and Anthropic's
             headers["Authorization"] = f"Bearer {api_key}"
+            headers["x-api-key"] = api_key
         self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=120)
         self.endpoint = endpoint
         self.model = model or self._first_model()
@@ -77,25 +106,24 @@ class Client:
         return r.json()["data"][0]["id"]
 
     def complete(self, prompt: str, **fields: Any) -> dict:
-        """Returns {"text", "sampling" (or None), "finish_reason"}."""
+        """Returns {"text", "sampling" (or None), "finish_reason"}; `fields` as chat names
+        them (max_tokens, temperature, seed), sent as the endpoint's API names them."""
         body: dict[str, Any] = {"model": self.model, **fields}
-        if self.endpoint == "chat":
-            body["messages"] = [{"role": "user", "content": prompt}]
-            path = "/v1/chat/completions"
-        else:
+        path = ENDPOINTS[self.endpoint]
+        if self.endpoint == "completions":
             body["prompt"] = prompt
-            path = "/v1/completions"
+        elif self.endpoint == "responses":
+            body["input"] = prompt
+            if "max_tokens" in body:
+                body["max_output_tokens"] = body.pop("max_tokens")
+        else:  # chat, messages
+            body["messages"] = [{"role": "user", "content": prompt}]
         r = self.http.post(path, json=body)
         if r.status_code >= 400:
             raise RuntimeError(f"{path} answered {r.status_code}: {r.text[:300]}")
         data = r.json()
-        choice = data["choices"][0]
-        text = choice["message"]["content"] if self.endpoint == "chat" else choice["text"]
-        return {
-            "text": text or "",
-            "sampling": data.get("sampling"),
-            "finish_reason": choice.get("finish_reason"),
-        }
+        text, finish = _text_and_end(self.endpoint, data)
+        return {"text": text or "", "sampling": data.get("sampling"), "finish_reason": finish}
 
     def complete_all(self, prompts: list[str], **fields: Any) -> list[dict]:
         """`complete` for each prompt, all at once (the server batches them)."""
@@ -185,7 +213,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", help="model name (default: the first of /v1/models)")
     p.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
-    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    p.add_argument(
+        "--endpoint",
+        choices=list(ENDPOINTS),
+        default="chat",
+        help="the API the probes go through (responses: OpenAI's Responses API, as Codex CLI "
+        "speaks; messages: Anthropic's Messages API, as Claude Code speaks)",
+    )
     p.add_argument("--max-tokens", type=int, default=48, help="per request (x4 for the probe)")
     p.add_argument("--json", action="store_true")
 

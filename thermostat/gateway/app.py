@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+from thermostat.api.agents.response_store import ResponseStore
+from thermostat.api.agents.routes import agent_router
 from thermostat.api.body_limits import BodyLimitsMiddleware
 from thermostat.api.console import install_console
 from thermostat.api.errors import install_error_handlers
 from thermostat.api.middleware import GateMiddleware
+from thermostat.gateway.agent_backend import GatewayChat
 from thermostat.gateway.config import GatewayConfig
 from thermostat.gateway.routes import router
 from thermostat.gateway.state import GatewayState
@@ -20,6 +23,7 @@ def create_gateway_app(config: GatewayConfig) -> FastAPI:
     app.state.thermostat = state
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(agent_router(GatewayChat(), ResponseStore(config.responses_store_size)))
     install_console(app, config)
     state.route_paths = {getattr(route, "path", "") for route in app.routes}
     app.add_middleware(BodyLimitsMiddleware, state=state)

@@ -5,6 +5,7 @@ it with serve's resolver (`GatewayDefaults.resolve`), send the effective values 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import time
@@ -26,6 +27,7 @@ from thermostat.gateway.relay import Sampling, StreamAnnotator, annotate, choice
 from thermostat.gateway.state import GatewayState
 from thermostat.gateway.upstream import UpstreamError
 from thermostat.sampling import GreedyRejected
+from thermostat.sampling.resolve import fit_to_context
 
 router = APIRouter()
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -101,17 +103,50 @@ async def sampling_explain(request: Request) -> dict[str, Any]:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    return await _generate(request, "chat", body)
+    return _answer(request, await generate(request, "chat", body, await request.json()), body)
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    return await _generate(request, "completions", body)
+    return _answer(
+        request, await generate(request, "completions", body, await request.json()), body
+    )
 
 
-async def _generate(
-    request: Request, endpoint: str, body: ChatCompletionRequest | CompletionRequest
+def _answer(
+    request: Request,
+    answer: dict[str, Any] | AsyncIterator[dict[str, Any]],
+    body: ChatCompletionRequest | CompletionRequest,
 ) -> Response:
+    """The client's answer: the whole response, or its stream with usage only if asked for."""
+    if isinstance(answer, dict):
+        return JSONResponse(answer)
+    wants_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    async def events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+        async for chunk in chunks:
+            if chunk.get("usage") and not wants_usage:
+                if not chunk.get("choices"):
+                    continue
+                del chunk["usage"]
+            yield json.dumps(chunk)
+
+    state = _state(request)
+    return sse(events(answer), lambda err: _count(state, err))
+
+
+async def generate(
+    request: Request,
+    endpoint: str,
+    body: ChatCompletionRequest | CompletionRequest,
+    raw: dict[str, Any],
+    prompt_len: int | None = None,
+    opening: bool = False,
+) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
+    """A body resolved, sent upstream and its answer annotated: the whole response, or its
+    chunks (a usage chunk last, always asked of the upstream). For the agents' APIs:
+    `prompt_len`, the prompt's tokens when known, so that a sent max_tokens larger than its
+    room is cut (`fit_to_context`); `opening`: the first chunk carries `sampling`."""
     state = _state(request)
     tools = tool_constraint(body) if isinstance(body, ChatCompletionRequest) else None
     try:
@@ -119,14 +154,17 @@ async def _generate(
     except GreedyRejected as exc:
         state.metrics.on_greedy_rejected(endpoint, request.headers.get("user-agent"), str(exc))
         raise
+    context_len = state.defaults.info.context_len
+    if prompt_len is not None and context_len and "max_tokens" not in resolved.unknown:
+        fitted = fit_to_context(resolved.resolution, prompt_len, context_len, cap_sent=True)
+        resolved = dataclasses.replace(resolved, resolution=fitted)
     state.metrics.on_admitted(resolved.resolution, 0)
-    raw = await request.json()
     sent = upstream_body(raw, resolved, state.defaults)
     sampling = Sampling(resolved.to_dict(), functools.partial(
         resolved.choice, n=body.n or 1, kind=state.defaults.kind))  # fmt: skip
     record = functools.partial(_record, state, endpoint, request.headers.get("user-agent"))
     if body.stream:
-        return await _stream(state, PATHS[endpoint], sent, sampling, record)
+        return await _stream(state, PATHS[endpoint], sent, sampling, record, opening)
     with state.admitted() as start:
         if state.config.stop_on_loop:
             work = _folded(state, endpoint, sent, sampling)
@@ -150,7 +188,7 @@ async def _generate(
         usage=data.get("usage"),
         request_id=data.get("id"),
     )
-    return JSONResponse(data)
+    return data
 
 
 def _record(
@@ -229,13 +267,13 @@ async def _stream(
     sent: dict[str, Any],
     sampling: Sampling,
     record: Callable[..., None],
-) -> Response:
+    opening: bool = False,
+) -> AsyncIterator[dict[str, Any]]:
     """The upstream stream is opened before answering, so a refusal before its first byte
     (a 4xx, 502, 504) is a plain error answer; after that, errors are in-band. Usage is asked
-    for always (generation_tokens), and passed on only when the client asked for it."""
+    for always (generation_tokens). `opening`: the first chunk carries `sampling`."""
     options = sent.get("stream_options")
     options = options if isinstance(options, dict) else {}
-    wants_usage = bool(options.get("include_usage"))
     asked = sent | {"stream_options": options | {"include_usage": True}}
     admitted = contextlib.ExitStack()
     start = admitted.enter_context(state.admitted())
@@ -249,23 +287,21 @@ async def _stream(
     state.metrics.upstream_latency.observe(state.upstream.last_latency_s)
     annotator = StreamAnnotator(sampling.response, state.config.stop_on_loop, sampling.per_choice)
 
-    async def events() -> AsyncIterator[str]:
+    async def events() -> AsyncIterator[dict[str, Any]]:
         ttft: float | None = None
         usage, request_id, status = None, None, "aborted"
         try:
             async for chunk in annotator.run(state.upstream.events(response)):
+                if opening and request_id is None:
+                    chunk.setdefault("sampling", sampling.response)
                 request_id = request_id or chunk.get("id")
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                     _count_usage(state, usage)
-                    if not wants_usage and not chunk.get("choices"):
-                        continue
-                    if not wants_usage:
-                        del chunk["usage"]
                 if ttft is None and annotator.first_content:
                     ttft = time.monotonic() - start
                     state.metrics.on_first_token(ttft)
-                yield json.dumps(chunk)
+                yield chunk
             for report in annotator.reports:
                 state.metrics.on_quality(report)
             status = "ok"
@@ -288,4 +324,4 @@ async def _stream(
                 ttft_s=None if ttft is None else round(ttft, 4),
             )
 
-    return sse(events(), lambda err: _count(state, err))
+    return events()

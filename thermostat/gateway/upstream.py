@@ -108,6 +108,13 @@ class Upstream:
 
     async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """A whole (non-streamed) response's JSON object; raises APIError."""
+        data = await self.post_json(path, body)
+        if not isinstance(data.get("choices"), list):
+            raise bad_response(f"no choices in {json.dumps(data)[:80]!r}")
+        return data
+
+    async def post_json(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The JSON object a POST is answered with (/tokenize's); raises APIError."""
         r = await self._send(path, body, stream=False)
         if r.status_code >= 400:
             raise status_error(r.status_code, r.text, r.headers)
@@ -115,8 +122,8 @@ class Upstream:
             data = r.json()
         except ValueError as exc:
             raise bad_response(f"not JSON: {r.text[:80]!r}") from exc
-        if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
-            raise bad_response(f"no choices in {r.text[:80]!r}")
+        if not isinstance(data, dict):
+            raise bad_response(f"not a JSON object: {r.text[:80]!r}")
         return data
 
     async def stream(self, path: str, body: dict[str, Any]) -> httpx.Response:

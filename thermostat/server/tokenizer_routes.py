@@ -28,7 +28,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         raise APIError(400, "send exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
         gen_prompt = body.add_generation_prompt is not False
-        text = state.prompts.chat_text(body.messages, add_generation_prompt=gen_prompt)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        text = state.prompts.chat_text(body.messages, gen_prompt, tools)
         special = bool(body.add_special_tokens)
     else:
         text, special = body.prompt or "", body.add_special_tokens is not False

@@ -8,6 +8,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from thermostat.api.errors import APIError
+from thermostat.sampling.fields import FIELDS
+
+# chat body fields an agent's answer has no room for (one choice, no logprobs, its own max)
+NOT_PASSED = {"max_tokens", "n", "logprobs", "top_logprobs", "prompt_logprobs"}
 
 # A freeform tool (OpenAI's `custom`) as a chat tool: one string argument, its raw input.
 CUSTOM_INPUT = "input"
@@ -15,6 +19,13 @@ CUSTOM_INPUT = "input"
 
 def invalid(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param.split(".")[0].split("[")[0])
+
+
+def passed_fields(raw: Mapping[str, Any], mapped: set[str]) -> dict[str, Any]:
+    """The chat body's sampling fields sent in an agent's body as chat names them (vLLM's extra
+    fields: top_k, min_p, seed, ...), besides those its API maps itself (`mapped`)."""
+    names = (f.name for f in FIELDS if f.body)
+    return {n: raw[n] for n in names if n in raw and n not in mapped | NOT_PASSED}
 
 
 def parts_text(content: Any, where: str, text_types: Iterable[str]) -> str:

@@ -18,7 +18,8 @@
 
 (1) Claude Code's billing line changes per conversation: kept, it would defeat the prefix cache.
 `thinking`, `context_management`, `metadata`, `cache_control` and the like are accepted and
-ignored. A field left out stays out; `max_tokens` is required, as Anthropic's API requires it.
+ignored. Any other sampling field of the chat body (seed, min_p, ...) is passed as it is. A
+field left out stays out; `max_tokens` is required, as Anthropic's API requires it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from thermostat.api.agents.content import invalid, parts_text
+from thermostat.api.agents.content import invalid, parts_text, passed_fields
 from thermostat.api.errors import validation_error
 from thermostat.api.protocol import ChatCompletionRequest
 
@@ -38,6 +39,8 @@ BILLING_HEADER = "x-anthropic-billing-header:"
 SKIPPED_BLOCKS = frozenset({"thinking", "redacted_thinking"})
 TEXT_BLOCKS = ("text",)
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+# fields of the Messages body that map onto chat's under another name or shape
+MAPPED = {"max_tokens", "temperature", "top_p", "top_k", "stop", "tools", "tool_choice"}
 
 
 class MessagesRequest(BaseModel):
@@ -73,8 +76,9 @@ def parse_body(raw: Any) -> MessagesRequest:
         raise validation_error(list(exc.errors())) from exc
 
 
-def to_chat(body: MessagesRequest) -> MessagesPlan:
-    """The chat body of a Messages body; raises APIError 400 naming the block at fault."""
+def to_chat(body: MessagesRequest, raw: Mapping[str, Any]) -> MessagesPlan:
+    """The chat body of a Messages body (`raw`: as sent, for the sampling fields Anthropic's
+    API does not have: seed, min_p, ...); raises APIError 400 naming the block at fault."""
     if not body.messages:
         raise invalid("messages", "must not be empty")
     if body.max_tokens < 1:
@@ -84,7 +88,8 @@ def to_chat(body: MessagesRequest) -> MessagesPlan:
         body.messages
     )
     tools, left_out = _tools(body.tools or [])
-    chat: dict[str, Any] = {
+    chat: dict[str, Any] = passed_fields(raw, MAPPED)
+    chat |= {
         "model": body.model,
         "messages": messages,
         "max_tokens": body.max_tokens,

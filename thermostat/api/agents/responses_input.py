@@ -28,10 +28,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from thermostat.api.agents.content import custom_tool_function, invalid, parts_text
+from thermostat.api.agents.content import (
+    custom_tool_function,
+    invalid,
+    parts_text,
+    passed_fields,
+)
 from thermostat.api.errors import validation_error
 from thermostat.api.protocol import ChatCompletionRequest
-from thermostat.sampling.fields import FIELDS
 
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 # items of a conversation that carry nothing the model reads again (hosted tools' calls, the
@@ -51,8 +55,6 @@ SKIPPED_ITEMS = frozenset(
 ROLES = ("system", "developer", "user", "assistant")
 # fields of the Responses body that map onto chat's under another name or shape
 MAPPED = {"max_output_tokens", "temperature", "top_p", "text", "tools", "tool_choice"}
-# chat body fields the Responses API has no room for
-NOT_PASSED = {"max_tokens", "n", "logprobs", "top_logprobs", "prompt_logprobs"}
 
 
 class ResponsesRequest(BaseModel):
@@ -121,11 +123,7 @@ def to_chat(
         system.insert(0, body.instructions)
     messages = ([{"role": "system", "content": "\n\n".join(system)}] if system else []) + rest
     tools, custom, left_out = chat_tools(body.tools or [])
-    chat: dict[str, Any] = {
-        name: raw[name]
-        for name in (f.name for f in FIELDS if f.body)
-        if name in raw and name not in MAPPED | NOT_PASSED
-    }
+    chat: dict[str, Any] = passed_fields(raw, MAPPED)
     chat |= {
         "model": body.model,
         "messages": messages,

@@ -23,6 +23,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 
 from thermostat.api.agents import messages_input, responses_input
 from thermostat.api.agents.backend import AgentCall, ChatBackend
@@ -50,6 +51,16 @@ async def read_json(request: Request) -> Any:
         raise APIError(400, f"malformed JSON body: {exc}", code="json_invalid") from exc
 
 
+def _body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI request body of a route that reads its JSON itself (schemathesis fuzzes it)."""
+    schema = model.model_json_schema()
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+RESPONSES_BODY = _body(responses_input.ResponsesRequest)
+MESSAGES_BODY = _body(messages_input.MessagesRequest)
+
+
 def agent_router(backend: ChatBackend, store: ResponseStore) -> APIRouter:
     router = APIRouter()
 
@@ -64,7 +75,7 @@ def agent_router(backend: ChatBackend, store: ResponseStore) -> APIRouter:
     def counted(request: Request) -> Callable[[APIError], None]:
         return lambda err: count_server_error(request, err)
 
-    @router.post("/v1/responses")
+    @router.post("/v1/responses", openapi_extra=RESPONSES_BODY)
     async def create_response(request: Request) -> Response:
         plan = await responses_plan(request)
         body = plan.body
@@ -102,15 +113,16 @@ def agent_router(backend: ChatBackend, store: ResponseStore) -> APIRouter:
         store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
-    @router.post("/v1/responses/input_tokens")
+    @router.post("/v1/responses/input_tokens", openapi_extra=RESPONSES_BODY)
     async def response_input_tokens(request: Request) -> dict[str, Any]:
         plan = await responses_plan(request)
         count = await backend.count_tokens(request, plan.chat)
         return {"object": "response.input_tokens", "input_tokens": count}
 
-    @router.post("/v1/messages")
+    @router.post("/v1/messages", openapi_extra=MESSAGES_BODY)
     async def create_message(request: Request) -> Response:
-        plan = messages_input.to_chat(messages_input.parse_body(await read_json(request)))
+        raw = await read_json(request)
+        plan = messages_input.to_chat(messages_input.parse_body(raw), raw)
         builder = MessageBuilder(plan, backend.model_name(request))
         answer = await backend.complete(request, plan.chat, MESSAGES)
         if isinstance(answer, Response):
@@ -127,12 +139,12 @@ def agent_router(backend: ChatBackend, store: ResponseStore) -> APIRouter:
     async def probe() -> Response:
         return Response()
 
-    @router.post("/v1/messages/count_tokens")
+    @router.post("/v1/messages/count_tokens", openapi_extra=MESSAGES_BODY)
     async def count_message_tokens(request: Request) -> dict[str, Any]:
         raw = await read_json(request)
         if isinstance(raw, dict):
             raw = {"max_tokens": 1} | raw  # counting needs no max_tokens
-        plan = messages_input.to_chat(messages_input.parse_body(raw))
+        plan = messages_input.to_chat(messages_input.parse_body(raw), raw)
         return {"input_tokens": await backend.count_tokens(request, plan.chat)}
 
     return router
