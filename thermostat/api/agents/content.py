@@ -21,10 +21,15 @@ def invalid(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param.split(".")[0].split("[")[0])
 
 
+# what SGLang's router adds to a body it sends to a prefill/decode pair (server/disaggregation.py)
+BOOTSTRAP = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
 def passed_fields(raw: Mapping[str, Any], mapped: set[str]) -> dict[str, Any]:
-    """The chat body's sampling fields sent in an agent's body as chat names them (vLLM's extra
-    fields: top_k, min_p, seed, ...), besides those its API maps itself (`mapped`)."""
-    names = (f.name for f in FIELDS if f.body)
+    """The chat body's fields sent in an agent's body as chat names them: sampling fields
+    (vLLM's extra fields: top_k, min_p, seed, ...) besides those its API maps itself (`mapped`),
+    and a PD router's bootstrap fields."""
+    names = [*(f.name for f in FIELDS if f.body), *BOOTSTRAP]
     return {n: raw[n] for n in names if n in raw and n not in mapped | NOT_PASSED}
 
 
