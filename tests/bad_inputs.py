@@ -4,6 +4,8 @@ as it is in the table.
 
 | probes                       | routes                                  | must get              |
 |------------------------------|-----------------------------------------|-----------------------|
+| malformed items, blocks,     | /v1/responses, /v1/messages (the agents'| 4xx naming the field, |
+|   tools, tool choices        |   APIs)                                 |   in the API's shape  |
 | sampling field wrong types,  | chat, completions, explain              | 400 naming the field  |
 |   NaN, +-inf, 1e308, 2**63.. |                                         |                       |
 | other fields' wrong types    | every POST route                        | 400 naming the field  |
@@ -32,7 +34,8 @@ VOCAB = 320  # the test model's vocabulary (tests.conftest.write_model)
 
 CHAT, COMPLETIONS, EXPLAIN = "/v1/chat/completions", "/v1/completions", "/v1/sampling/explain"
 TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"
-POST_ROUTES = (CHAT, COMPLETIONS, EXPLAIN, TOKENIZE, DETOKENIZE)
+RESPONSES, MESSAGES = "/v1/responses", "/v1/messages"
+POST_ROUTES = (CHAT, COMPLETIONS, EXPLAIN, TOKENIZE, DETOKENIZE, RESPONSES, MESSAGES)
 GET_ROUTES = ("/v1/models", "/v1/sampling/defaults", "/health", "/metrics")
 SAMPLING_ROUTES = (CHAT, COMPLETIONS, EXPLAIN)  # bodies that carry the sampling fields
 SHORT = {
@@ -41,6 +44,8 @@ SHORT = {
     EXPLAIN: "explain",
     TOKENIZE: "tok",
     DETOKENIZE: "detok",
+    RESPONSES: "resp",
+    MESSAGES: "msg",
 }
 
 HELLO = [{"role": "user", "content": "hello"}]
@@ -50,6 +55,8 @@ VALID: dict[str, dict[str, Any]] = {
     EXPLAIN: {"prompt": "It was the"},
     TOKENIZE: {"prompt": "It was the"},
     DETOKENIZE: {"tokens": [30, 31, 32]},
+    RESPONSES: {"input": "hello", "max_output_tokens": 2},
+    MESSAGES: {"messages": HELLO, "max_tokens": 2},
 }
 MEGABYTE_TEXT = (TEXT * (10**6 // len(TEXT) + 1))[: 10**6]
 BIG_BODY = 20 * 2**20  # over any sane request size limit
@@ -84,8 +91,15 @@ class Probe:
         return self.content() if callable(self.content) else self.content
 
 
-def check_error(body: Any) -> dict[str, Any]:
-    """`body` is `{"error": {"message", "type", "param", "code"}}`; returns the error."""
+def check_error(body: Any, path: str = "") -> dict[str, Any]:
+    """`body` is `{"error": {"message", "type", "param", "code"}}` (under /v1/messages
+    Anthropic's `{"type": "error", "error": {"type", "message"}}`, returned with param and code
+    None); returns the error."""
+    if path.startswith(MESSAGES):
+        assert isinstance(body, dict) and body.get("type") == "error", body
+        error = body["error"]
+        assert set(error) == {"type", "message"} and error["message"] and error["type"], error
+        return error | {"param": None, "code": None}
     assert isinstance(body, dict) and isinstance(body.get("error"), dict), body
     error = body["error"]
     assert {"message", "type", "param", "code"} <= set(error), error
@@ -190,6 +204,84 @@ OTHER_WRONG_TYPES: dict[str, dict[str, list[Any]]] = {
         "add_generation_prompt": [1, "yes"],
     },
     DETOKENIZE: {"tokens": ["x", None, {}, [1.5], [True], ["a"], [[1]]]},
+    RESPONSES: {
+        "input": [
+            1,
+            True,
+            {},
+            [1],
+            ["hi"],
+            [{"type": "bogus"}],
+            [{"type": "item_reference", "id": "x"}],
+            [{"role": "wizard", "content": "x"}],
+            [{"role": "user", "content": 5}],
+            [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
+            [{"role": "user", "content": [{"type": "input_text", "text": 5}]}],
+            [{"type": "function_call", "name": 1, "call_id": "c", "arguments": "{}"}],
+            [{"type": "function_call", "name": "f", "call_id": "c", "arguments": {}}],
+            [{"type": "function_call_output", "output": "x"}],
+            [{"type": "custom_tool_call_output", "call_id": "c", "output": 5}],
+        ],
+        "instructions": [1, []],
+        "tools": [
+            "x",
+            [1],
+            [{"name": "f"}],
+            [{"type": "function"}],
+            [{"type": "function", "name": "f", "parameters": "x"}],
+            [{"type": "namespace", "name": "n", "tools": 1}],
+            [{"type": "custom"}],
+        ],
+        "tool_choice": [1, ["auto"], {"type": "web_search"}],
+        "text": ["x", {"format": 1}, {"format": {"type": "yaml"}}],
+        "max_output_tokens": ["1", 1.5, True],
+        "temperature": ["0.5", True],
+        "top_p": ["0.5"],
+        "stream": [1, "yes"],
+        "store": [1, "x"],
+        "previous_response_id": [1, []],
+        "parallel_tool_calls": [1, "yes"],
+        "metadata": ["x", {"a": 1}],
+        "user": [1, []],
+    },
+    MESSAGES: {
+        "messages": [
+            "hi",
+            {},
+            None,
+            [1],
+            [{"content": "x"}],
+            [{"role": "wizard", "content": "x"}],
+            [{"role": "user", "content": 5}],
+            [{"role": "user", "content": [1]}],
+            [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+            [{"role": "user", "content": [{"type": "image", "source": {}}]}],
+            [{"role": "user", "content": [{"type": "document", "source": {}}]}],
+            [{"role": "user", "content": [{"type": "tool_result"}]}],
+            [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f"}]}],
+            [
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t", "name": "f", "input": []}],
+                }
+            ],  # fmt: skip
+            [{"role": "user", "content": [{"type": "unknown_block"}]}],
+        ],
+        "system": [1, [1], [{"type": "image"}], [{"type": "text", "text": 1}]],
+        "max_tokens": ["1", 1.5, True, 0, None],
+        "tools": [
+            "x",
+            [1],
+            [{"name": 1}],
+            [{"name": "f"}],
+            [{"name": "f", "input_schema": "x"}],
+        ],
+        "tool_choice": ["auto", {"type": "bogus"}],
+        "stop_sequences": ["x", [1]],
+        "temperature": ["0.5"],
+        "top_k": [1.5, "1"],
+        "stream": [1],
+    },
 }
 
 
@@ -240,6 +332,14 @@ def prompt_probes() -> list[Probe]:
             {"messages": [{"role": "user", "content": TEXT}]},
             **chat_over,
         ),
+        post("text-over-context", RESPONSES, {"input": TEXT}, **chat_over),
+        post("1MB-input", RESPONSES, {"input": MEGABYTE_TEXT}, **chat_over),
+        post(
+            "1MB-content",
+            MESSAGES,
+            {"messages": [{"role": "user", "content": MEGABYTE_TEXT}], "max_tokens": 2},
+            **chat_over,
+        ),
         post(
             "1MB-content",
             CHAT,
@@ -271,6 +371,10 @@ def surrogate_probes() -> list[Probe]:
         (CHAT, {"messages": [{"role": s, "content": "hi"}]}, "messages"),
         (TOKENIZE, {"prompt": s}, "prompt"),
         (TOKENIZE, {"messages": [{"role": "user", "content": s}]}, "messages"),
+        (RESPONSES, {"input": s}, "input"),
+        (RESPONSES, {"input": [{"role": "user", "content": s}]}, "input"),
+        (MESSAGES, {"messages": [{"role": "user", "content": s}]}, "messages"),
+        (MESSAGES, {"system": s}, "system"),
     ]
     probes = [
         post(f"surrogate-in-{name}", path, base(path, name) | body, param=(name,))
@@ -300,6 +404,8 @@ TEXT_FIELD = {  # a body whose text field "@@" becomes bytes that are not UTF-8
     EXPLAIN: {"prompt": "@@"},
     TOKENIZE: {"prompt": "@@"},
     DETOKENIZE: {"tokens": [30], "model": "@@"},
+    RESPONSES: {"input": "@@"},
+    MESSAGES: {"messages": [{"role": "user", "content": "@@"}], "max_tokens": 2},
 }
 NON_OBJECTS = [b"[]", b"[1, 2]", b'"hello"', b"42", b"3.5", b"null", b"true"]
 MALFORMED = [

@@ -540,3 +540,15 @@ def test_content_type_malformed_json_and_the_key_as_x_api_key(demo):
             model=s.model, max_tokens=1, messages=[{"role": "user", "content": "x"}]
         )
         assert m.usage.output_tokens == 1
+
+
+def test_metrics_and_the_console_name_the_api(demo):
+    client = demo.client()
+    client.responses.create(model=demo.model, input="Hi", max_output_tokens=1)
+    claude(demo).messages.create(model=demo.model, max_tokens=1,
+                                 messages=[{"role": "user", "content": "Hi"}])  # fmt: skip
+    metrics = httpx.get(f"{demo.url}/metrics").text
+    for path in ("/v1/responses", "/v1/messages"):
+        assert f'thermostat_requests_total{{endpoint="{path}",status="200"}}' in metrics
+    rows = httpx.get(f"{demo.url}/v1/console/state").json()["requests"]
+    assert {"responses", "messages"} <= {row["endpoint"] for row in rows}
