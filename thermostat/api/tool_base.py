@@ -10,7 +10,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from thermostat.api.lark_string import LarkStringError, in_json_string
 from thermostat.api.tool_json import CallSoFar, read_call, skip_ws
+
+# A freeform tool (the Responses API's `custom`) is a function of one string argument
+# (FREEFORM_INPUT); its schema may carry the Lark grammar of that string under FREEFORM_GRAMMAR.
+FREEFORM_INPUT = "input"
+FREEFORM_GRAMMAR = "x-thermostat-lark"
 
 
 @dataclass
@@ -111,7 +117,7 @@ class ToolParser(ABC):
         rules = [self.frame(" | ".join(f"call{k}" for k in range(len(calls))), parallel)]
         for k, (name, params) in enumerate(calls.items()):
             rules.append(f"call{k}: {self.call_rule(name, f'args{k}')}")
-            rules.append(f"args{k}: %json {json.dumps(params)}")
+            rules.append(args_rule(f"args{k}", params))
         return "\n".join(rules) + "\n"
 
     def call_rule(self, name: str, args: str) -> str:
@@ -124,6 +130,23 @@ class ToolParser(ABC):
         """A marker in a Lark grammar: its token where it is one added token, else its text."""
         token = self.tokens.get(marker)
         return f"<[{token.id}]>" if token is not None else json.dumps(marker)
+
+
+def args_rule(rule: str, params: Mapping[str, Any]) -> str:
+    """The Lark rule of a call's JSON arguments: to their schema, or for a freeform tool whose
+    schema carries its input's grammar (`FREEFORM_GRAMMAR`), `{"input": "..."}` with the string
+    to that grammar (lark_string.py); a grammar the rewrite cannot take leaves the string free."""
+    grammar = params.get(FREEFORM_GRAMMAR)
+    schema = {k: v for k, v in params.items() if k != FREEFORM_GRAMMAR}
+    if isinstance(grammar, str):
+        try:
+            rules, start = in_json_string(grammar, f"{rule}_")
+        except LarkStringError:
+            pass
+        else:
+            head, tail = json.dumps(f'{{"{FREEFORM_INPUT}": "'), json.dumps('"}')
+            return f"{rule}: {head} {start} {tail}\n{rules}"
+    return f"{rule}: %json {json.dumps(schema)}"
 
 
 def split_at(text: str, marker: str) -> tuple[str, int | None]:

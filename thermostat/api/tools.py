@@ -41,6 +41,7 @@ from thermostat.api.protocol import (
     ToolCall,
 )
 from thermostat.api.request_params import to_sampling_params
+from thermostat.api.tool_base import FREEFORM_GRAMMAR
 from thermostat.api.tool_parsers import ToolParser, ToolText, parser_for
 from thermostat.sampling.params import SamplingParams
 from thermostat.sampling.structured import (
@@ -97,6 +98,12 @@ class ToolRequest:
         return cls(parser, tools, choice, parallel)
 
     @property
+    def shown(self) -> list[dict[Any, Any]]:
+        """The tools as the chat template shows them (a freeform tool's grammar is in its
+        description, not its schema)."""
+        return [_shown(t) for t in self.tools]
+
+    @property
     def forced(self) -> bool:
         return self.choice not in ("none", "auto")
 
@@ -146,6 +153,15 @@ class ToolRequest:
             for t in self.tools
             if self.choice in ("required", t["function"]["name"])
         }
+
+
+def _shown(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool as the template shows it: a freeform tool's grammar is in its description."""
+    params = tool["function"].get("parameters")
+    if not isinstance(params, dict) or FREEFORM_GRAMMAR not in params:
+        return tool
+    shown = {k: v for k, v in params.items() if k != FREEFORM_GRAMMAR}
+    return tool | {"function": tool["function"] | {"parameters": shown}}
 
 
 def tool_constraint(body: ChatCompletionRequest) -> StructuredOutput | None:

@@ -31,7 +31,7 @@ class ServeChat:
     ) -> ChatAnswer:
         state = _state(request)
         params, tools = chat_params(state, chat)
-        prompt = state.prompts.chat(chat.messages, tools.tools if tools else None)
+        prompt = state.prompts.chat(chat.messages, tools.shown if tools else None)
         job = await submit(request, call.endpoint, chat, [prompt], params, call.cap_max_tokens)
         if isinstance(job, Response):
             return job
@@ -50,4 +50,4 @@ class ServeChat:
     async def count_tokens(self, request: Request, chat: ChatCompletionRequest) -> int:
         state = _state(request)
         tools = ToolRequest.of(chat, state.tool_parser)
-        return len(state.prompts.chat(chat.messages, tools.tools if tools else None).token_ids)
+        return len(state.prompts.chat(chat.messages, tools.shown if tools else None).token_ids)

@@ -149,7 +149,7 @@ def chat_params(
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = _state(request)
     params, tools = chat_params(state, body)
-    prompt = state.prompts.chat(body.messages, tools.tools if tools else None)
+    prompt = state.prompts.chat(body.messages, tools.shown if tools else None)
     job = await submit(request, "chat", body, [prompt], params)
     if isinstance(job, Response):
         return job

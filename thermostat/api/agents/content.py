@@ -1,5 +1,5 @@
 """What the two agents' translations share: a content list's text, the chat tool of a custom
-(freeform) tool, and the note of tools a server cannot run."""
+(freeform) tool and its input, the fields passed as chat names them."""
 
 from __future__ import annotations
 
@@ -8,13 +8,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from thermostat.api.errors import APIError
+from thermostat.api.tool_base import FREEFORM_GRAMMAR
+from thermostat.api.tool_base import FREEFORM_INPUT as CUSTOM_INPUT
 from thermostat.sampling.fields import FIELDS
 
 # chat body fields an agent's answer has no room for (one choice, no logprobs, its own max)
 NOT_PASSED = {"max_tokens", "n", "logprobs", "top_logprobs", "prompt_logprobs"}
-
-# A freeform tool (OpenAI's `custom`) as a chat tool: one string argument, its raw input.
-CUSTOM_INPUT = "input"
 
 
 def invalid(param: str, message: str) -> APIError:
@@ -61,23 +60,20 @@ def parts_text(content: Any, where: str, text_types: Iterable[str]) -> str:
 def custom_tool_function(name: str, description: str | None, grammar: str | None) -> dict:
     """The chat tool a freeform tool is shown to the model as: its input is one string (what
     the families' templates know how to write), the grammar it follows stated in its
-    description."""
+    description and carried in its schema, which a forced call is generated to
+    (tool_base.py `args_rule`)."""
     text = description or ""
+    parameters: dict[str, Any] = {
+        "type": "object",
+        "properties": {CUSTOM_INPUT: {"type": "string"}},
+        "required": [CUSTOM_INPUT],
+        "additionalProperties": False,
+    }
     if grammar:
         text += f"\n\nThe `{CUSTOM_INPUT}` string follows this Lark grammar:\n{grammar}"
-    return {
-        "type": "function",
-        "function": {
-            "name": name,
-            "description": text.strip(),
-            "parameters": {
-                "type": "object",
-                "properties": {CUSTOM_INPUT: {"type": "string"}},
-                "required": [CUSTOM_INPUT],
-                "additionalProperties": False,
-            },
-        },
-    }
+        parameters[FREEFORM_GRAMMAR] = grammar
+    function = {"name": name, "description": text.strip(), "parameters": parameters}
+    return {"type": "function", "function": function}
 
 
 def custom_input(arguments: str) -> str:
