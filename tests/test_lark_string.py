@@ -123,7 +123,10 @@ def accepts(grammar: str, text: str) -> bool:
     return all(constraint.advance(t) for t in ids) and constraint.matcher.is_accepting()
 
 
-PATCH = "*** Begin Patch\n*** Update File: a/b \"c\".py\n@@ def f():\n-    return 1\n+    return '\\t'\n*** End Patch\n"
+PATCH = (
+    '*** Begin Patch\n*** Update File: a/b "c".py\n@@ def f():\n-    return 1\n'
+    "+    return '\\t'\n*** End Patch\n"
+)
 
 
 @pytest.mark.parametrize(

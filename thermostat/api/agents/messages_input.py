@@ -10,7 +10,7 @@
 | `tool_result` blocks (`is_error` noted)     | `tool` messages, before the turn's text       |
 | `thinking` / `redacted_thinking` blocks     | left out (accepted)                           |
 | `image` / `document` blocks                 | refused: 400 naming the block                 |
-| `tools` with `input_schema`                 | function tools; server tools left out, named  |
+| `tools` with `input_schema` (and `strict`)  | function tools; server tools left out, named  |
 | `tool_choice` auto / any / tool / none      | auto / required / the named function / none   |
 | `disable_parallel_tool_use`                 | `parallel_tool_calls: false`                  |
 | `stop_sequences`, `top_k`, `max_tokens`     | `stop`, `top_k`, `max_tokens` (cut to room)   |
@@ -208,6 +208,8 @@ def _tools(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]
         function = {"name": name, "parameters": schema}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
+        if isinstance(tool.get("strict"), bool):  # vLLM pins a call's arguments only if so
+            function["strict"] = tool["strict"]
         out.append({"type": "function", "function": function})
     return out, left_out
 

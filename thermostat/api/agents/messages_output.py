@@ -7,6 +7,7 @@
 | finish `stop`, a stop sequence matched | stop_reason `stop_sequence`, `stop_sequence` set |
 | finish `stop` otherwise                | `end_turn` (a loop cut by --stop-on-loop too)    |
 | finish `tool_calls` / `length`         | `tool_use` / `max_tokens`                        |
+| finish `stop` with calls (1)           | `tool_use`                                       |
 | usage: prompt tokens not cached        | `input_tokens`                                   |
 | usage: prompt tokens from the cache    | `cache_read_input_tokens`                        |
 | usage: completion tokens               | `output_tokens`                                  |
@@ -17,6 +18,8 @@ Streamed: `message_start`, then per block `content_block_start`, its deltas (`te
 `message_stop`. `message_start`'s message carries `sampling` too (the SDK's accumulated
 message keeps it from there: it takes only stop_reason and usage from `message_delta`).
 A tool_use block's id is `toolu_` + its call id's hex, the same in both shapes.
+
+(1) vLLM, as OpenAI, ends a call forced by name with `stop`; `serve` with `tool_calls`.
 """
 
 from __future__ import annotations
@@ -48,11 +51,15 @@ class MessageBuilder:
             "usage": {"input_tokens": 0, "output_tokens": 0},
         }
 
-    def ending(self, finish_reason: str | None, stop_reason: Any) -> dict[str, Any]:
-        """`stop_reason` and `stop_sequence` of a chat choice's end."""
+    def ending(
+        self, finish_reason: str | None, stop_reason: Any, called: bool = False
+    ) -> dict[str, Any]:
+        """`stop_reason` and `stop_sequence` of a chat choice's end (`called`: with calls)."""
         stops = self.plan.body.stop_sequences or []
         if finish_reason == "stop" and isinstance(stop_reason, str) and stop_reason in stops:
             return {"stop_reason": "stop_sequence", "stop_sequence": stop_reason}
+        if called and finish_reason in (None, "stop"):
+            finish_reason = "tool_calls"
         reasons = {"length": "max_tokens", "tool_calls": "tool_use"}
         return {
             "stop_reason": reasons.get(finish_reason or "stop", "end_turn"),
@@ -74,7 +81,8 @@ class MessageBuilder:
         for call in message.get("tool_calls") or []:
             function = call["function"]
             content.append(_tool_use(call["id"], function["name"], function["arguments"]))
-        ending = self.ending(choice["finish_reason"], choice.get("stop_reason"))
+        called = bool(message.get("tool_calls"))
+        ending = self.ending(choice["finish_reason"], choice.get("stop_reason"), called)
         return (
             self.shell()
             | {"content": content, **ending, "usage": _usage(chat.get("usage"))}
@@ -94,6 +102,7 @@ class MessageBuilder:
         ending: dict[str, Any] = {}
         extra: dict[str, Any] = {}
         usage = None
+        called = False  # a tool_use block was started
 
         def start(new_kind: str, content_block: dict[str, Any]) -> list[tuple[str, dict]]:
             nonlocal block, kind
@@ -136,6 +145,7 @@ class MessageBuilder:
                 for piece in d.get("tool_calls") or []:
                     function = piece.get("function") or {}
                     if piece.get("id") is not None:
+                        called = True
                         head = _tool_use(piece["id"], function.get("name") or "", "") | {
                             "input": {}
                         }
@@ -146,7 +156,7 @@ class MessageBuilder:
                             {"type": "input_json_delta", "partial_json": function["arguments"]}
                         )
                 if choice.get("finish_reason") is not None:
-                    ending = self.ending(choice["finish_reason"], choice.get("stop_reason"))
+                    ending = self.ending(choice["finish_reason"], choice.get("stop_reason"), called)
                     extra = self.extra(chunk)
                     if block < 0:  # an empty answer is an empty text block
                         for event in start("text", {"type": "text", "text": ""}):
