@@ -101,7 +101,7 @@ class ToolRequest:
     def shown(self) -> list[dict[Any, Any]]:
         """The tools as the chat template shows them (a freeform tool's grammar is in its
         description, not its schema)."""
-        return [_shown(t) for t in self.tools]
+        return [shown_tool(t) for t in self.tools]
 
     @property
     def forced(self) -> bool:
@@ -155,7 +155,7 @@ class ToolRequest:
         }
 
 
-def _shown(tool: dict[str, Any]) -> dict[str, Any]:
+def shown_tool(tool: dict[str, Any]) -> dict[str, Any]:
     """A tool as the template shows it: a freeform tool's grammar is in its description."""
     params = tool["function"].get("parameters")
     if not isinstance(params, dict) or FREEFORM_GRAMMAR not in params:

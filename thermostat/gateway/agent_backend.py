@@ -16,6 +16,7 @@ from starlette.requests import Request
 from thermostat.api.agents.backend import AgentCall, ChatAnswer
 from thermostat.api.errors import APIError
 from thermostat.api.protocol import ChatCompletionRequest
+from thermostat.api.tools import shown_tool
 from thermostat.gateway.routes import generate
 from thermostat.gateway.state import GatewayState
 
@@ -36,12 +37,17 @@ class GatewayChat:
         if call.cap_max_tokens and chat.max_tokens is not None and state.defaults.info.context_len:
             prompt_len = await self.count_tokens(request, chat)
         raw = chat.model_dump(exclude_none=True, by_alias=True)
+        if "tools" in raw:  # a freeform tool's grammar stays here (the upstream cannot use it)
+            raw["tools"] = [shown_tool(t) for t in raw["tools"]]
         return await generate(request, "chat", chat, raw, prompt_len, opening=True)
+
+    def refused(self, request: Request, raw: Any, err: APIError) -> None:
+        """Nothing waits on the gateway's refusals."""
 
     async def count_tokens(self, request: Request, chat: ChatCompletionRequest) -> int:
         state = _state(request)
         messages = [m.model_dump(exclude_none=True) for m in chat.messages]
-        tools = [t.model_dump(exclude_none=True) for t in chat.tools or []]
+        tools = [shown_tool(t.model_dump(exclude_none=True)) for t in chat.tools or []]
         model = chat.model or state.defaults.info.model
         body: dict[str, Any] = {"model": model, "messages": messages}
         if tools:

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 from fastapi.responses import Response
 from starlette.requests import Request
 
 from thermostat.api.agents.backend import AgentCall, ChatAnswer
+from thermostat.api.agents.content import BOOTSTRAP
+from thermostat.api.errors import APIError
 from thermostat.api.protocol import ChatCompletionRequest
 from thermostat.api.tools import ToolRequest
 from thermostat.server.chat import chat_chunks, chat_response
+from thermostat.server.disaggregation import PrefillRole, Rooms
 from thermostat.server.routes import chat_params, submit
 from thermostat.server.state import ServerState
 
@@ -46,6 +50,16 @@ class ServeChat:
             return chunks()
         await job.collect(request)
         return chat_response(job, state.tokens, tools).model_dump(mode="json")
+
+    def refused(self, request: Request, raw: Any, err: APIError) -> None:
+        role = _state(request).role
+        if not isinstance(role, PrefillRole) or not isinstance(raw, dict):
+            return
+        try:
+            rooms = Rooms.of(SimpleNamespace(**{name: raw.get(name) for name in BOOTSTRAP}))
+        except APIError:
+            return  # no room to tell: nobody waits
+        role.fail(rooms, 1, "prefill_refused", f"{err.status}: {err.info.message}")
 
     async def count_tokens(self, request: Request, chat: ChatCompletionRequest) -> int:
         state = _state(request)

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from fastapi.responses import Response
 from starlette.requests import Request
 
+from thermostat.api.errors import APIError
 from thermostat.api.protocol import ChatCompletionRequest
 
 # A whole chat completion (dict), its stream of chunks (dicts; the first carries the request's
@@ -44,4 +45,9 @@ class ChatBackend(Protocol):
 
     async def count_tokens(self, request: Request, chat: ChatCompletionRequest) -> int:
         """The tokens of `chat`'s prompt (messages and tools, as templated)."""
+        ...
+
+    def refused(self, request: Request, raw: Any, err: APIError) -> None:
+        """A body refused before it was run (`raw`: as sent): a PD prefill tells the decode
+        waiting for it, as a refused chat body does."""
         ...

@@ -8,7 +8,8 @@
 | `function_call` (+ `custom_tool_call`)  | an assistant message's `tool_calls`               |
 | `function_call_output` (+ custom's)     | a `tool` message                                  |
 | `reasoning` and hosted tools' items     | left out (accepted)                               |
-| `function` tools (`strict` kept), `namespace` groups | function tools (a group's, flattened) |
+| `function` tools, `namespace` groups    | function tools (a group's flattened; `strict`:    |
+|                                         | as sent, else true, as OpenAI's default)         |
 | `custom` tools (freeform, e.g. a Lark grammar) | a function with one string argument `input`|
 | other tools (`web_search`, ...)         | left out of the prompt, named in `tools_left_out` |
 | `text.format` json_schema / json_object | `response_format`                                 |
@@ -219,8 +220,10 @@ def chat_tools(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], set[s
             function = {"name": name, "parameters": tool.get("parameters")}
             if isinstance(tool.get("description"), str):
                 function["description"] = tool["description"]
-            if isinstance(tool.get("strict"), bool):  # vLLM pins a call's arguments only if so
-                function["strict"] = tool["strict"]
+            # OpenAI's default for a Responses function tool is strict; vLLM pins a forced
+            # call's arguments to the schema only for a strict tool
+            strict = tool.get("strict", True)
+            function["strict"] = strict if isinstance(strict, bool) else True
             out.append({"type": "function", "function": function})
         elif kind == "custom":
             name = _string(tool, "name", where)

@@ -66,11 +66,26 @@ def agent_router(backend: ChatBackend, store: ResponseStore) -> APIRouter:
 
     async def responses_plan(request: Request) -> responses_input.ResponsesPlan:
         raw = await read_json(request)
-        body = responses_input.parse_body(raw)
-        history = None
-        if body.previous_response_id is not None:
-            history = store.get(body.previous_response_id, "previous_response_id").conversation
-        return responses_input.to_chat(body, raw, history)
+        try:
+            body = responses_input.parse_body(raw)
+            history = None
+            if body.previous_response_id is not None:
+                stored = store.get(body.previous_response_id, "previous_response_id")
+                history = stored.conversation
+            return responses_input.to_chat(body, raw, history)
+        except APIError as err:
+            backend.refused(request, raw, err)
+            raise
+
+    async def messages_plan(request: Request, count: bool = False) -> messages_input.MessagesPlan:
+        raw = await read_json(request)
+        if count and isinstance(raw, dict):
+            raw = {"max_tokens": 1} | raw  # counting needs no max_tokens
+        try:
+            return messages_input.to_chat(messages_input.parse_body(raw), raw)
+        except APIError as err:
+            backend.refused(request, raw, err)
+            raise
 
     def counted(request: Request) -> Callable[[APIError], None]:
         return lambda err: count_server_error(request, err)
@@ -121,8 +136,7 @@ def agent_router(backend: ChatBackend, store: ResponseStore) -> APIRouter:
 
     @router.post("/v1/messages", openapi_extra=MESSAGES_BODY)
     async def create_message(request: Request) -> Response:
-        raw = await read_json(request)
-        plan = messages_input.to_chat(messages_input.parse_body(raw), raw)
+        plan = await messages_plan(request)
         builder = MessageBuilder(plan, backend.model_name(request))
         answer = await backend.complete(request, plan.chat, MESSAGES)
         if isinstance(answer, Response):
@@ -141,10 +155,7 @@ def agent_router(backend: ChatBackend, store: ResponseStore) -> APIRouter:
 
     @router.post("/v1/messages/count_tokens", openapi_extra=MESSAGES_BODY)
     async def count_message_tokens(request: Request) -> dict[str, Any]:
-        raw = await read_json(request)
-        if isinstance(raw, dict):
-            raw = {"max_tokens": 1} | raw  # counting needs no max_tokens
-        plan = messages_input.to_chat(messages_input.parse_body(raw), raw)
+        plan = await messages_plan(request, count=True)
         return {"input_tokens": await backend.count_tokens(request, plan.chat)}
 
     return router
