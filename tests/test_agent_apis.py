@@ -552,3 +552,18 @@ def test_metrics_and_the_console_name_the_api(demo):
         assert f'thermostat_requests_total{{endpoint="{path}",status="200"}}' in metrics
     rows = httpx.get(f"{demo.url}/v1/console/state").json()["requests"]
     assert {"responses", "messages"} <= {row["endpoint"] for row in rows}
+
+
+def test_an_empty_streamed_answer_adds_its_message_before_closing_it(demo):
+    """A first token that ends the answer (here: every token stops it) is an empty message item,
+    added, then done; no delta."""
+    every = list(range(4096))  # the demo model's vocabulary
+    ask = dict(model=demo.model, input="Hi", max_output_tokens=8,
+               extra_body={"stop_token_ids": every})  # fmt: skip
+    streamed, kinds = streamed_response(demo.client(), **ask)
+    assert streamed.output_text == ""
+    assert "response.output_text.delta" not in kinds
+    assert kinds[2:6] == [
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.done", "response.content_part.done",
+    ]  # fmt: skip

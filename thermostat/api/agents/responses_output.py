@@ -307,7 +307,6 @@ class _EventStream:
 
     def _close(self, cut: bool) -> list[dict[str, Any]]:
         if self.text is None and not self.calls:  # an empty answer is an empty message
-            self.text, self.text_open = "", True
-            events = self._text("")[:2]
+            events = self._text("")[:2]  # its item and part added, no (empty) delta
             return events + self._close_text(cut)
         return self._close_text(cut) + self._close_call()
