@@ -134,6 +134,7 @@ def test_verify_and_diagnose_probe_through_the_agents_apis(servers, api, capsys)
     assert checks["default-sampling"]["status"] == "pass"
     assert checks["greedy"]["status"] == "pass" and checks["seed"]["status"] == "pass"
     assert "generation_config" in checks["defaults"]["detail"]
+    assert checks["provenance"]["status"] == "pass"
     assert code == (1 if checks["degeneration"]["status"] == "fail" else 0)
     args = ["diagnose", "--url", url, "--endpoint", api, "--max-tokens", "24", "--json", *key]
     assert main(args) in (0, 1)

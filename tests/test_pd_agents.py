@@ -285,3 +285,19 @@ def test_a_body_the_prefill_refuses_ends_the_decodes_wait_at_once(pd):
     assert decode.status_code >= 400 and "404" in decode.text, decode.text
     assert decode.elapsed.total_seconds() < 5, decode.elapsed
     assert_idle(pd)
+
+
+def test_verify_through_smg_names_the_values_the_router_set(pd, capsys):
+    """smg writes top_k, min_p and repetition_penalty into a Responses body that left them out:
+    the servers see them as sent by the request, and `verify` says so (chat: nothing added)."""
+    from thermostat.cli import main
+
+    base = ["verify", pd.router_url, "--max-tokens", "8", "--json"]
+    main([*base, "--endpoint", "responses"])
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert checks["provenance"]["status"] == "warn"
+    for name in SMG_RESPONSES_DEFAULTS:
+        assert name in checks["provenance"]["detail"]
+    main([*base, "--endpoint", "chat"])
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert checks["provenance"]["status"] == "pass"
