@@ -96,7 +96,9 @@ def assert_idle(pd: Topology) -> None:
 # ---- the pair driven directly, as smg drives it ----
 
 
-def direct(pd: Topology, path: str, body: dict[str, Any]) -> tuple[httpx.Response, httpx.Response]:
+def both_halves(
+    pd: Topology, path: str, body: dict[str, Any]
+) -> tuple[httpx.Response, httpx.Response]:
     """POST `body` to both halves at once with bootstrap fields added; (prefill, decode)."""
     info = httpx.get(f"{pd.prefill.url}/server_info", timeout=10).json()
     full = body | {
@@ -112,7 +114,12 @@ def direct(pd: Topology, path: str, body: dict[str, Any]) -> tuple[httpx.Respons
                 client.post(f"{pd.decode.url}{path}", json=full),
             )
 
-    prefill, decode = asyncio.run(both())
+    return asyncio.run(both())
+
+
+def direct(pd: Topology, path: str, body: dict[str, Any]) -> tuple[httpx.Response, httpx.Response]:
+    """`both_halves`, each answering 200."""
+    prefill, decode = both_halves(pd, path, body)
     assert prefill.status_code == 200, prefill.text
     assert prefill.json()["object"] == "prefill"
     assert decode.status_code == 200, decode.text
@@ -266,21 +273,7 @@ def test_a_body_the_prefill_refuses_ends_the_decodes_wait_at_once(pd):
     waiting decode, which answers then rather than at its --disaggregation-timeout."""
     _, first = direct(pd, "/v1/responses", {"model": "m", "input": "Hi", "max_output_tokens": 2})
     follow = {"model": "m", "input": "And?", "previous_response_id": first.json()["id"]}
-    info = httpx.get(f"{pd.prefill.url}/server_info", timeout=10).json()
-    full = follow | {
-        "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": info["disaggregation_bootstrap_port"],
-        "bootstrap_room": random.randrange(2**63),
-    }
-
-    async def both():
-        async with httpx.AsyncClient(timeout=HANG_GUARD_S) as client:
-            return await asyncio.gather(
-                client.post(f"{pd.prefill.url}/v1/responses", json=full),
-                client.post(f"{pd.decode.url}/v1/responses", json=full),
-            )
-
-    prefill, decode = asyncio.run(both())
+    prefill, decode = both_halves(pd, "/v1/responses", follow)
     assert prefill.status_code == 404, prefill.text
     assert decode.status_code >= 400 and "404" in decode.text, decode.text
     assert decode.elapsed.total_seconds() < 5, decode.elapsed

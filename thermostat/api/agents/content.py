@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
-from thermostat.api.errors import APIError
+from pydantic import BaseModel, ValidationError
+
+from thermostat.api.errors import APIError, validation_error
 from thermostat.api.tool_base import FREEFORM_GRAMMAR
 from thermostat.api.tool_base import FREEFORM_INPUT as CUSTOM_INPUT
 from thermostat.sampling.fields import FIELDS
 
+M = TypeVar("M", bound=BaseModel)
 # chat body fields an agent's answer has no room for (one choice, no logprobs, its own max)
 NOT_PASSED = {"max_tokens", "n", "logprobs", "top_logprobs", "prompt_logprobs"}
 
@@ -22,6 +25,24 @@ def invalid(param: str, message: str) -> APIError:
 
 # what SGLang's router adds to a body it sends to a prefill/decode pair (server/disaggregation.py)
 BOOTSTRAP = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
+def validated(model: type[M], raw: Any) -> M:
+    """`raw` as `model`; raises APIError 400 naming the field at fault."""
+    if not isinstance(raw, dict):
+        raise invalid("body", "must be a JSON object")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise validation_error(list(exc.errors())) from exc
+
+
+def string_field(item: Mapping[str, Any], key: str, where: str) -> str:
+    """`item[key]`, which must be a string (400 naming `where.key` otherwise)."""
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise invalid(f"{where}.{key}", "must be a string")
+    return value
 
 
 def passed_fields(raw: Mapping[str, Any], mapped: set[str]) -> dict[str, Any]:

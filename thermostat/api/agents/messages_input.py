@@ -29,10 +29,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
-from thermostat.api.agents.content import invalid, parts_text, passed_fields
-from thermostat.api.errors import validation_error
+from thermostat.api.agents.content import (
+    invalid,
+    parts_text,
+    passed_fields,
+    string_field,
+    validated,
+)
 from thermostat.api.protocol import ChatCompletionRequest
 
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -68,12 +73,7 @@ class MessagesPlan:
 
 
 def parse_body(raw: Any) -> MessagesRequest:
-    if not isinstance(raw, dict):
-        raise invalid("body", "must be a JSON object")
-    try:
-        return MessagesRequest.model_validate(raw)
-    except ValidationError as exc:
-        raise validation_error(list(exc.errors())) from exc
+    return validated(MessagesRequest, raw)
 
 
 def to_chat(body: MessagesRequest, raw: Mapping[str, Any]) -> MessagesPlan:
@@ -110,10 +110,7 @@ def to_chat(body: MessagesRequest, raw: Mapping[str, Any]) -> MessagesPlan:
             chat["parallel_tool_calls"] = False
     elif choice.get("type") not in (None, "auto", "none"):
         raise invalid("tool_choice", "requires tools this server can run")
-    try:
-        request = ChatCompletionRequest.model_validate(chat)
-    except ValidationError as exc:
-        raise validation_error(list(exc.errors())) from exc
+    request = validated(ChatCompletionRequest, chat)
     return MessagesPlan(body, request, left_out)
 
 
@@ -157,7 +154,7 @@ def _blocks(role: str, blocks: list[Any], where: str) -> list[dict[str, Any]]:
         if kind == "text":
             texts.append(parts_text([block], at, TEXT_BLOCKS))
         elif kind == "tool_use" and role == "assistant":
-            name, call_id = _string(block, "name", at), _string(block, "id", at)
+            name, call_id = string_field(block, "name", at), string_field(block, "id", at)
             arguments = block.get("input", {})
             if not isinstance(arguments, Mapping):
                 raise invalid(f"{at}.input", "must be an object")
@@ -168,7 +165,7 @@ def _blocks(role: str, blocks: list[Any], where: str) -> list[dict[str, Any]]:
             text = parts_text(content, f"{at}.content", TEXT_BLOCKS)
             if block.get("is_error") is True:
                 text = f"Error: {text}"
-            tool_id = _string(block, "tool_use_id", at)
+            tool_id = string_field(block, "tool_use_id", at)
             results.append({"role": "tool", "tool_call_id": tool_id, "content": text})
         elif kind in SKIPPED_BLOCKS:
             continue
@@ -185,19 +182,12 @@ def _blocks(role: str, blocks: list[Any], where: str) -> list[dict[str, Any]]:
     return results + turn
 
 
-def _string(block: Mapping[str, Any], key: str, where: str) -> str:
-    value = block.get(key)
-    if not isinstance(value, str):
-        raise invalid(f"{where}.{key}", "must be a string")
-    return value
-
-
 def _tools(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
     """(chat function tools, the names of server tools left out)."""
     out, left_out = [], []
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
-        name = _string(tool, "name", where)
+        name = string_field(tool, "name", where)
         if tool.get("type") not in (None, "custom"):  # web_search_..., bash_..., text_editor_...
             left_out.append(name)
             continue
@@ -217,7 +207,7 @@ def _tools(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]
 def _tool_choice(choice: Mapping[str, Any], tools: list[dict[str, Any]]) -> Any:
     kind = choice.get("type", "auto")
     if kind == "tool":
-        name = _string(choice, "name", "tool_choice")
+        name = string_field(choice, "name", "tool_choice")
         return {"type": "function", "function": {"name": name}}
     if kind not in CHOICES:
         raise invalid("tool_choice.type", f"must be auto, any, tool or none, got {kind!r}")

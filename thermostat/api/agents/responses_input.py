@@ -27,15 +27,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from thermostat.api.agents.content import (
     custom_tool_function,
     invalid,
     parts_text,
     passed_fields,
+    string_field,
+    validated,
 )
-from thermostat.api.errors import validation_error
 from thermostat.api.protocol import ChatCompletionRequest
 
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -95,12 +96,7 @@ class ResponsesPlan:
 
 
 def parse_body(raw: Any) -> ResponsesRequest:
-    if not isinstance(raw, dict):
-        raise invalid("body", "must be a JSON object")
-    try:
-        return ResponsesRequest.model_validate(raw)
-    except ValidationError as exc:
-        raise validation_error(list(exc.errors())) from exc
+    return validated(ResponsesRequest, raw)
 
 
 def to_chat(
@@ -143,10 +139,7 @@ def to_chat(
     elif body.tool_choice not in (None, "auto", "none"):
         raise invalid("tool_choice", "requires tools this server can run")
     chat["response_format"] = _response_format(body.text)
-    try:
-        request = ChatCompletionRequest.model_validate(chat)
-    except ValidationError as exc:
-        raise validation_error(list(exc.errors())) from exc
+    request = validated(ChatCompletionRequest, chat)
     return ResponsesPlan(body, request, custom, left_out, conversation)
 
 
@@ -171,7 +164,7 @@ def input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind in ("function_call_output", "custom_tool_call_output"):
-            call_id = _string(item, "call_id", where)
+            call_id = string_field(item, "call_id", where)
             output = item.get("output")
             text = parts_text(output, f"{where}.output", TEXT_PARTS)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
@@ -183,20 +176,13 @@ def input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _call(item: Mapping[str, Any], where: str, kind: str) -> dict[str, Any]:
-    name = _string(item, "name", where)
-    call_id = _string(item, "call_id", where)
+    name = string_field(item, "name", where)
+    call_id = string_field(item, "call_id", where)
     if kind == "custom_tool_call":
-        arguments = json.dumps({"input": _string(item, "input", where)})
+        arguments = json.dumps({"input": string_field(item, "input", where)})
     else:
-        arguments = _string(item, "arguments", where)
+        arguments = string_field(item, "arguments", where)
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def _string(item: Mapping[str, Any], key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str):
-        raise invalid(f"{where}.{key}", "must be a string")
-    return value
 
 
 def _leading_system(messages: list[dict[str, Any]]) -> tuple[list[str], list[dict[str, Any]]]:
@@ -216,7 +202,7 @@ def chat_tools(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], set[s
     def add(tool: Mapping[str, Any], where: str) -> None:
         kind = tool.get("type")
         if kind == "function":
-            name = _string(tool, "name", where)
+            name = string_field(tool, "name", where)
             function = {"name": name, "parameters": tool.get("parameters")}
             if isinstance(tool.get("description"), str):
                 function["description"] = tool["description"]
@@ -226,7 +212,7 @@ def chat_tools(tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], set[s
             function["strict"] = strict if isinstance(strict, bool) else True
             out.append({"type": "function", "function": function})
         elif kind == "custom":
-            name = _string(tool, "name", where)
+            name = string_field(tool, "name", where)
             fmt = tool.get("format")
             grammar = fmt.get("definition") if isinstance(fmt, Mapping) else None
             description = tool.get("description")
@@ -253,7 +239,10 @@ def _tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str, Any]
         return choice
     kind = choice.get("type")
     if kind in ("function", "custom"):
-        return {"type": "function", "function": {"name": _string(choice, "name", "tool_choice")}}
+        return {
+            "type": "function",
+            "function": {"name": string_field(choice, "name", "tool_choice")},
+        }
     if kind == "allowed_tools":
         mode = choice.get("mode", "auto")
         allowed = {t.get("name") for t in choice.get("tools") or [] if isinstance(t, Mapping)}
