@@ -689,27 +689,18 @@ LLAMA_SERVER = os.environ.get("THERMOSTAT_LLAMA_SERVER")
 GGUF = Path(os.environ.get("THERMOSTAT_LLAMA_GGUF", "/tmp/peers/gguf/tiny-f16.gguf"))
 
 
-@pytest.mark.skipif(
-    not LLAMA_SERVER or not GGUF.is_file(),
-    reason="set THERMOSTAT_LLAMA_SERVER to a llama-server binary (and THERMOSTAT_LLAMA_GGUF)",
-)
-def test_in_front_of_llama_server():
+LLAMA_OPT_IN = "set THERMOSTAT_LLAMA_SERVER to a llama-server binary (and THERMOSTAT_LLAMA_GGUF)"
+
+
+@contextlib.contextmanager
+def running_llama_server(*flags: str) -> Iterator[str]:
+    """llama-server on GGUF (a free loopback port, 1 thread, a 1,024-token context) until the
+    block ends; its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [
-        str(LLAMA_SERVER),
-        "-m",
-        str(GGUF),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "-t",
-        "1",
-        "-c",
-        "1024",
-    ]
+    cmd = [str(LLAMA_SERVER), "-m", str(GGUF), "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["-t", "1", "-c", "1024", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     up = f"http://127.0.0.1:{port}"
     try:
@@ -717,16 +708,24 @@ def test_in_front_of_llama_server():
             lambda: proc.poll() is not None or answers(f"{up}/health"), "llama-server loading"
         )
         assert proc.poll() is None, "llama-server exited"
-        with running_gateway(up, sampling_defaults={"temperature": 0.0}) as url:
-            report = httpx.get(f"{url}/v1/sampling/defaults").json()
-            outs = [
-                client(url).completions.create(model="m", prompt="Once upon a time", max_tokens=16)
-                for _ in range(2)
-            ]
-            r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "stop_token_ids": [1]})
+        yield up
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.mark.skipif(not LLAMA_SERVER or not GGUF.is_file(), reason=LLAMA_OPT_IN)
+def test_in_front_of_llama_server():
+    with (
+        running_llama_server() as up,
+        running_gateway(up, sampling_defaults={"temperature": 0.0}) as url,
+    ):
+        report = httpx.get(f"{url}/v1/sampling/defaults").json()
+        outs = [
+            client(url).completions.create(model="m", prompt="Once upon a time", max_tokens=16)
+            for _ in range(2)
+        ]
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "stop_token_ids": [1]})
     assert report["upstream"]["kind"] == "llamacpp"
     assert report["upstream"]["context_len"] == 1024  # /props n_ctx (-c 1024)
     # llama-server's own defaults (temperature 0.8, top_k 40, min_p 0.05) are known, sourced

@@ -2,7 +2,9 @@
 completions (Thermostat's `serve`, reached by the gateway on /v1/chat/completions and
 /tokenize): the same answers as `serve` gives directly, the gateway's own resolution and
 policies on them, tool calls, token counts, and Claude Code's max_tokens cut to the upstream's
-context. (In front of a real vLLM: tests/test_gateway_vllm.py.)"""
+context; and, opt-in, the same in front of llama.cpp's llama-server, which speaks chat completions
+only (THERMOSTAT_LLAMA_SERVER, as tests/test_gateway.py). (In front of a real vLLM:
+tests/test_gateway_vllm.py.)"""
 
 from __future__ import annotations
 
@@ -14,7 +16,13 @@ import pytest
 
 from tests.server_utils import running_server
 from tests.test_agent_apis import MESSAGES_TOOLS, RESPONSES_TOOLS, streamed_response
-from tests.test_gateway import running_gateway
+from tests.test_gateway import (
+    GGUF,
+    LLAMA_OPT_IN,
+    LLAMA_SERVER,
+    running_gateway,
+    running_llama_server,
+)
 from tests.tool_models import write_tool_model
 from thermostat.sampling import Policy
 
@@ -99,3 +107,27 @@ def test_counts_and_claude_codes_max_tokens(upstream, gateway):
     room = upstream.state.max_model_len - prompt
     assert adjusted == {"param": "max_tokens", "requested": 32000, "applied": room,
                         "policy": "context_length"}  # fmt: skip
+
+
+@pytest.mark.skipif(not LLAMA_SERVER or not GGUF.is_file(), reason=LLAMA_OPT_IN)
+def test_in_front_of_llama_server():
+    """llama-server has no Responses or Messages API of its own here: the gateway translates,
+    counts with its /apply-template and /tokenize, and cuts Claude Code's max_tokens to the room
+    its context (-c 1024) leaves."""
+    with running_llama_server() as up, running_gateway(up) as url:
+        oai, claude = clients(url)
+        ask = dict(model="m", input="Once upon a time", max_output_tokens=8, temperature=0)
+        whole = oai.responses.create(**ask)
+        streamed, _ = streamed_response(oai, **ask)
+        message = claude.messages.create(model="m", max_tokens=8, messages=ASK,
+                                         extra_body={"temperature": 0})  # fmt: skip
+        with claude.messages.stream(model="m", max_tokens=32000, messages=ASK) as stream:
+            long = stream.get_final_message()
+        counted = claude.messages.count_tokens(model="m", messages=ASK).input_tokens
+    assert whole.output_text and streamed.output_text == whole.output_text
+    assert whole.sampling["source"]["temperature"] == "request"
+    assert whole.sampling["source"]["top_k"] == "upstream"  # llama-server's own default, known
+    assert message.content[0].text and message.quality["degenerate"] in (True, False)
+    assert counted == message.usage.input_tokens + message.usage.cache_read_input_tokens > 0
+    (adjusted,) = [a for a in long.sampling["adjusted"] if a["param"] == "max_tokens"]
+    assert adjusted["requested"] == 32000 and adjusted["applied"] == 1024 - counted

@@ -22,7 +22,9 @@ from thermostat.engine.config import QUANTIZATIONS, EngineConfig
 from thermostat.engine.speculative import METHODS
 from thermostat.server.config import ServerConfig
 
-HELP = "serve a model over the OpenAI API"
+HELP = (
+    "serve a model over the OpenAI API (chat, completions, Responses) and Anthropic's Messages API"
+)
 EPILOG = """examples:
   thermostat serve                                    # the bundled demo model on 127.0.0.1:8000
   thermostat serve --model ~/models/Qwen3-0.6B --sampling-defaults recommended
@@ -34,6 +36,8 @@ EPILOG = """examples:
   thermostat serve --model DIR --port 30002 --disaggregation-mode decode
 
   curl localhost:8000/v1/sampling/defaults           # what a request that omits fields gets
+  ANTHROPIC_BASE_URL=http://127.0.0.1:8000 claude --model demo   # Claude Code (Messages API)
+  # Codex CLI: a model provider with base_url http://127.0.0.1:8000/v1, wire_api "responses"
 
 exit status: 0 after a clean shutdown, 1 the model failed to load, 2 bad flags or configuration.
 """
