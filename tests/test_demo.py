@@ -120,3 +120,24 @@ def test_server_stops_a_greedy_loop_and_reports_it(caplog):
     assert 'thermostat_degenerate_responses_total{reason="loop"} 1.0' in metrics
     lines = [json.loads(x.getMessage()) for x in caplog.records if x.name == "thermostat.requests"]
     assert lines[-1]["degenerate"] == [r.quality["flags"]]
+
+
+def test_llm_chat_is_the_servers_chat():
+    """`LLM.chat` renders messages as /v1/chat/completions does: the same greedy text, and the
+    same `sampling`; one conversation or a list of them."""
+    from thermostat import LLM, SamplingParams
+
+    messages = [{"role": "user", "content": "My lord, I have news."}]
+    llm = LLM("demo")
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    (out,) = llm.chat(messages, params)
+    with running_server(DEMO_MODEL_DIR) as server:
+        r = server.client().chat.completions.create(
+            model=server.model, messages=messages, temperature=0, max_tokens=12
+        )
+    assert out.text == r.choices[0].message.content
+    assert out.sampling == r.sampling
+    again = llm.chat([messages, messages + [{"role": "assistant", "content": "Speak."}]], params)
+    assert again[0].text == out.text and len(again) == 2
+    with pytest.raises(ValueError, match="role"):
+        llm.chat([{"role": "wizard", "content": "x"}])

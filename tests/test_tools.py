@@ -433,3 +433,19 @@ def test_bad_tool_requests_are_400s_naming_the_field(server):
     bad_params = {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}
     response = httpx.post(url, json=base | {"tools": [bad_params], "tool_choice": "required"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
+
+
+def test_llm_chat_renders_tools_as_the_server_does():
+    """`LLM.chat(messages, tools=...)` prompts the model as /v1/chat/completions does (the same
+    token ids as /tokenize with the tools), on the demo model's template, which shows tools."""
+    from thermostat import LLM, SamplingParams
+    from thermostat.engine.loader import DEMO_MODEL_DIR
+
+    llm = LLM("demo")
+    (out,) = llm.chat(ASK, SamplingParams(max_tokens=2), tools=TOOLS)
+    (plain,) = llm.chat(ASK, SamplingParams(max_tokens=2))
+    assert len(out.prompt_token_ids) > len(plain.prompt_token_ids)
+    with running_server(DEMO_MODEL_DIR) as s:
+        body = {"messages": ASK, "tools": TOOLS}
+        counted = httpx.post(f"{s.url}/tokenize", json=body, timeout=60).json()["tokens"]
+    assert out.prompt_token_ids == counted

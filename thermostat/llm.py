@@ -1,9 +1,9 @@
-"""The Python API: `LLM(model).generate(prompts, params)`."""
+"""The Python API: `LLM(model).generate(prompts, params)` and `.chat(messages, params)`."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,9 +20,12 @@ from thermostat.sampling.resolve import Policy, Resolution
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
+    from thermostat.server.prompts import PromptBuilder
+
 __all__ = ["LLM", "Completion", "GenerationOutput"]
 
 Prompts = str | Sequence[int] | Sequence[str | Sequence[int]]  # one prompt, or a list of them
+Conversation = Sequence[Mapping[str, Any]]  # chat messages: {"role", "content", ...}
 
 
 @dataclass
@@ -86,6 +89,36 @@ class LLM:
         self.engine = LLMEngine(config, defaults, loaded)
         self.tokenizer = loaded.tokenizer
         self._ids = itertools.count()
+        self._prompts: PromptBuilder | None = None
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        progress: bool = False,
+    ) -> list[GenerationOutput]:
+        """`generate` on chat messages (one conversation, or a list of them) rendered by the
+        model's chat template as `serve` renders /v1/chat/completions (`tools` in OpenAI's form,
+        as vLLM's `LLM.chat` takes them). Raises ValueError for messages the template refuses."""
+        from thermostat.api.errors import APIError
+        from thermostat.api.protocol import ChatMessage
+        from thermostat.server.prompts import PromptBuilder
+
+        if self._prompts is None:
+            self._prompts = PromptBuilder(self.tokenizer, self.engine.max_model_len)
+        conversations = [messages] if _one_conversation(messages) else messages
+        prompts = []
+        try:
+            for conversation in conversations:
+                parsed = [ChatMessage.model_validate(m) for m in conversation]
+                text = self._prompts.chat_text(parsed, add_generation_prompt, tools)
+                prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        except APIError as exc:
+            raise ValueError(str(exc)) from exc
+        return self.generate(prompts, params, progress=progress)
 
     def generate(
         self,
@@ -137,6 +170,12 @@ class LLM:
             )
             for i, group in enumerate(groups)
         ]
+
+
+def _one_conversation(
+    messages: Conversation | Sequence[Conversation],
+) -> TypeIs[Conversation]:
+    return bool(messages) and isinstance(messages[0], Mapping)
 
 
 def _one_prompt(prompts: Prompts) -> TypeIs[str | Sequence[int]]:
