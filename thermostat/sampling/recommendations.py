@@ -1,7 +1,18 @@
-"""Model families' published sampling recommendations, and family detection from config.json.
+"""Model families' published sampling recommendations, and family detection from config.json
+(or the config a GGUF file's metadata gives).
 
 Each entry names where its values come from. The `recommended` layer uses them only when the
 operator opts in (`--sampling-defaults recommended`).
+
+A family is told by what identifies it, most specific first:
+
+| evidence                                                   | family           |
+|------------------------------------------------------------|------------------|
+| `thermostat_family` (Thermostat's own models)              | as it says       |
+| the model's name (`_name_or_path`, a GGUF's `general.name`)| smollm2 (1)      |
+| `model_type`                                               | deepseek, qwen3, qwen2, llama |
+
+(1) SmolLM2 is a Llama architecture (`model_type: llama`) with values of its own.
 """
 
 from __future__ import annotations
@@ -34,6 +45,10 @@ RECOMMENDATIONS: dict[str, Recommendation] = {
     # Llama-3.x-Instruct generation_config.json as published by Meta.
     "llama": Recommendation("llama", {"temperature": 0.6, "top_p": 0.9},
                             "Llama-3.x-Instruct generation_config.json"),
+    # SmolLM2-Instruct model cards (HuggingFaceTB), "How to use": generate(..., temperature=0.2,
+    # top_p=0.9, do_sample=True).
+    "smollm2": Recommendation("smollm2", {"temperature": 0.2, "top_p": 0.9},
+                              "SmolLM2-Instruct model card (HuggingFaceTB), how to use"),
     # Thermostat's bundled demo model: measured by tools/demo_sweep.py (the lowest loop rate
     # among settings whose text stays close to the corpus; table in the model card).
     "thermostat-demo": Recommendation("thermostat-demo", {"temperature": 0.7, "top_p": 0.95},
@@ -47,6 +62,9 @@ def detect_family(config: dict[str, Any]) -> str | None:
     if config.get("thermostat_family") in RECOMMENDATIONS:  # set by Thermostat's own models
         family: str = config["thermostat_family"]
         return family
+    names = " ".join(str(config.get(k, "")) for k in ("_name_or_path", "_model_name_or_path"))
+    if "smollm" in names.lower():
+        return "smollm2"
     model_type = str(config.get("model_type", "")).lower()
     if model_type.startswith("deepseek"):
         return "deepseek"

@@ -15,6 +15,7 @@ from thermostat.api.errors import install_error_handlers
 from thermostat.api.middleware import GateMiddleware
 from thermostat.engine.checkpoint import ModelLoadError
 from thermostat.engine.loader import DEMO_MODEL_DIR, model_config_dict, resolve_model_path
+from thermostat.engine.packaged_models import PACKAGED
 from thermostat.engine.speculative import no_next_n
 from thermostat.server.agent_backend import ServeChat
 from thermostat.server.config import ServerConfig
@@ -38,7 +39,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     """Raises ModelLoadError (no model directory) or ValueError (sampling defaults that cannot
     apply to this model) before anything is loaded. The model loads when the app starts."""
     model_dir = locate_model(config.engine.model)
-    name = config.served_model_name or ("demo" if config.engine.model == "demo" else model_dir.name)
+    named = config.engine.model == "demo" or config.engine.model in PACKAGED
+    name = config.served_model_name or (config.engine.model if named else model_dir.name)
     model_config = model_config_dict(model_dir)
     if config.engine.speculative == "mtp" and not model_config.get("num_nextn_predict_layers"):
         raise ModelLoadError(no_next_n(model_dir))  # refused before anything loads
