@@ -13,7 +13,9 @@ OpenAI-compatible upstream (vLLM, SGLang, llama.cpp, a router). Torch-free.
 | fold.py      | a stream folded into a whole response (--stop-on-loop)           |
 | metrics.py   | serve's sampling metrics plus the upstream's errors and latency  |
 | state.py     | lifecycle: discovery, readiness, in-flight count, drain          |
+| generate.py  | the one generation path: resolve, send upstream, annotate, record|
 | routes.py    | the HTTP routes                                                  |
+| agent_backend.py | the Responses and Messages APIs (api/agents/) on that path   |
 | app.py       | the FastAPI app                                                  |
 | command.py   | `thermostat gateway`                                             |
 

@@ -17,7 +17,7 @@ from thermostat.api.agents.backend import AgentCall, ChatAnswer
 from thermostat.api.errors import APIError
 from thermostat.api.protocol import ChatCompletionRequest
 from thermostat.api.tools import shown_tool
-from thermostat.gateway.routes import generate
+from thermostat.gateway.generate import generate
 from thermostat.gateway.state import GatewayState
 
 

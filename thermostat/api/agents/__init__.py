@@ -11,7 +11,8 @@ streamed) translated back. `sampling` and `quality` ride along as extra top-leve
 | backend.py          | what a product provides: run a chat body, count a prompt's tokens  |
 | content.py          | what both APIs share: text of content parts, tools left out        |
 | responses_input.py  | a Responses body -> a chat body (input items, tools, formats)      |
-| responses_output.py | a chat answer -> a Response object, or its stream of events        |
+| responses_output.py | a chat answer -> a Response object                                 |
+| responses_events.py | a chat stream -> the Responses API's events                        |
 | response_store.py   | stored responses (bounded; `previous_response_id`, GET, DELETE)     |
 | messages_input.py   | a Messages body -> a chat body (blocks, tools, system)             |
 | messages_output.py  | a chat answer -> a Message, or its stream of events                |

@@ -29,6 +29,7 @@ from thermostat.api.agents import messages_input, responses_input
 from thermostat.api.agents.backend import AgentCall, ChatBackend
 from thermostat.api.agents.messages_output import MessageBuilder
 from thermostat.api.agents.response_store import ResponseStore
+from thermostat.api.agents.responses_events import response_events
 from thermostat.api.agents.responses_output import ResponseBuilder
 from thermostat.api.errors import APIError, anthropic_error, count_server_error
 from thermostat.api.responses import named_sse
@@ -106,7 +107,7 @@ def agent_router(backend: ChatBackend, store: ResponseStore) -> APIRouter:
             return JSONResponse(response)
 
         async def events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[tuple[str, dict]]:
-            async for event in builder.events(chunks):
+            async for event in response_events(builder, chunks):
                 if keep and event["type"] in ("response.completed", "response.incomplete"):
                     store.put(event["response"], plan.messages)
                 yield event["type"], event
