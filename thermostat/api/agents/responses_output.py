@@ -1,4 +1,4 @@
-"""A chat answer as a Response object; streamed, as the Responses API's events (responses_events.py).
+"""A chat answer as a Response object (streamed: the events of responses_events.py).
 
 Both end in the same object, made by `ResponseBuilder.final` from the answer's text and calls,
 so the official SDK's stream accumulator gets what `responses.create` returns. The events:
