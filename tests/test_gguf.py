@@ -339,9 +339,11 @@ def k_quant_blocks(rows: int, cols: int, qtype: Q, seed: int) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def test_q4_k_m_file_is_served_in_int4(tmp_path):
-    """A Q4_K_M file (Q4_K, with Q6_K for the down projections and embeddings) is an int4 file;
-    each block's 16 levels come back within a step."""
+def test_q4_k_m_file_is_served_in_int8(tmp_path):
+    """A Q4_K_M file (Q4_K, with Q6_K for the down projections and embeddings) is served in
+    int8, not int4: a Q4_K block's minimum is no multiple of its step, so int4's grid would move
+    its weights by up to half a 4-bit step; int8 moves them by at most half an 8-bit one.
+    `--quantization int4` still gives int4, each block's 16 levels back within a step."""
     src = write_model(tmp_path / "float", hidden_size=256, intermediate_size=256)
     config = json.loads((src / "config.json").read_text())
     path = tmp_path / "tiny-q4_k_m.gguf"
@@ -372,10 +374,15 @@ def test_q4_k_m_file_is_served_in_int4(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    loaded = load_model(path, dtype="float32")
-    assert (loaded.weight_format, loaded.weight_source) == ("int4", "gguf Q4_K_M")
     want = files["model.layers.0.self_attn.o_proj.weight"].view(256, -1, 32)
+    rounding = want.abs().amax(-1, keepdim=True) / 1024  # float16 scales (a constant block)
+    loaded = load_model(path, dtype="float32")
+    assert (loaded.weight_format, loaded.weight_source) == ("int8", "gguf Q4_K_M")
+    got = loaded.model.layers[0].self_attn.o_proj.weight.dequantize().view_as(want)
+    half_step = want.abs().amax(-1, keepdim=True) / 254  # int8: d = max|w| / 127
+    assert ((got - want).abs() <= half_step * 1.01 + rounding).all()
+    loaded = load_model(path, dtype="float32", quantization="int4")
+    assert loaded.weight_format == "int4"
     got = loaded.model.layers[0].self_attn.o_proj.weight.dequantize().view_as(want)
     step = (want.amax(-1, keepdim=True) - want.amin(-1, keepdim=True)) / 15
-    rounding = want.abs().amax(-1, keepdim=True) / 1024  # float16 scales (a constant block)
     assert ((got - want).abs() <= step * 1.01 + rounding).all()

@@ -13,13 +13,19 @@ permutes the rows of Llama's q and k projections for its rotary layout, which `r
 | F32, F16, BF16            | as stored                     | that dtype                       |
 | Q8_0                      | 32: d q, q int8               | int8, exactly the file's q and d |
 | Q4_0                      | 32: d (q - 8), q 4-bit        | int4, exactly the file's grid    |
-| Q4_1, Q4_K, below 4 bits  | d q + m: m no multiple of d   | int4, requantized by range       |
-| Q5_0, Q5_1, Q5_K, Q6_K    | 5 and 6 bits                  | int8, requantized                |
+| Q4_1, Q4_K, Q5_*, Q6_K... | d q + m: m no multiple of d   | int8, requantized (1)            |
 
 A file's type is the one holding most of its quantized weights (a Q4_K_M file is mostly Q4_K,
-with Q6_K for some layers): up to 5 bits per weight it is served in int4, above in int8 (the
-file's other tensors are requantized the same way), a float file in its own dtype. The compute
+with Q6_K for some layers): a Q4_0 file is served in int4, any other quantized file in int8 (the
+file's other tensors are quantized the same way), a float file in its own dtype. The compute
 dtype ("auto") is the float file's, bfloat16 for a quantized one.
+
+(1) int4's grid (w = d (q - z), z an integer) cannot hold a block whose minimum is no multiple
+of its step: requantized to int4 by range, such weights move by up to half a 4-bit step, which
+on SmolLM2-135M-Instruct's Q4_1 file moved the first token's logprobs by ~1 nat from llama.cpp's
+reading of the file (benchmarks/gguf_agreement.py). int8 moves them by at most half an 8-bit
+step (1/254 of a block's largest weight), the closest the kernels run until they take a float
+minimum per block. `--quantization int4` still asks for the smaller, moved form.
 """
 
 from __future__ import annotations
@@ -33,9 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import (
-    GGML_QUANT_SIZES,
     MODEL_ARCH_NAMES,
-    GGMLQuantizationType,
     GGUFReader,
     LlamaFileType,
     get_tensor_name_map,
@@ -51,18 +55,13 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-INT4_MAX_BITS = 5.0  # bits per weight up to which a file is served in int4
+INT4_EXACT = ("Q4_0",)  # the GGML types whose weights lie on int4's grid (w = d (q - z))
 EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)_exps\.weight")
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's llama3 rope: a divisor per frequency
 
 
 def is_gguf(path: Path) -> bool:
     return path.suffix == ".gguf" and path.is_file()
-
-
-def bits_per_weight(type_name: str) -> float:
-    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
-    return size * 8 / block
 
 
 def unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -116,10 +115,11 @@ class GGUFCheckpoint:
 
     @property
     def serve_as(self) -> str | None:
-        """int8 | int4 | None (the dtype), by the file's main type."""
+        """int8 | int4 | None (the dtype), by the file's main type: int4 only for the type whose
+        grid is int4's (Q4_0), the docstring's (1) for the others."""
         if self.main_type in FLOAT_TYPES:
             return None
-        return "int4" if bits_per_weight(self.main_type) <= INT4_MAX_BITS else "int8"
+        return "int4" if self.main_type in INT4_EXACT else "int8"
 
     @property
     def source(self) -> str:

@@ -1,0 +1,188 @@
+"""Does Thermostat serve a GGUF file as llama.cpp does? The same file through llama-server and
+`thermostat serve`, the same chat-templated prompts (token ids from Thermostat's /tokenize),
+greedy:
+per prompt, whether the two generations agree token for token up to the first position where
+llama-server's top-1 leads its runner-up by less than `--margin` nats (a near tie, where either
+reading may flip it), and the largest difference between the two servers' logprobs of the top
+tokens both list before that point. Also each server's ready time (process start to /health 200).
+
+    GGUF=$(.venv/bin/python -c "from thermostat.engine.loader import resolve_model_path as r
+    print(r('smollm2-135m-instruct'))")
+    python benchmarks/gguf_agreement.py --thermostat .venv/bin/thermostat --gguf "$GGUF"
+
+llama-server comes from ../shared/peers/setup.sh (LLAMA_BIN_DIR, default
+/tmp/peers/llama-build/bin).
+Prints a table and one JSON line (`--json FILE` appends it there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+PEERS_SCRIPTS = Path(
+    os.environ.get("PEERS_SCRIPTS", Path(__file__).resolve().parents[2] / "shared" / "peers")
+)
+sys.path.insert(0, str(PEERS_SCRIPTS))
+from bench_llamacpp import BIN_DIR, free_port, wait_ready  # noqa: E402
+
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Explain what a hash map is in two sentences.",
+    "Write an HTML page with a form that has a name field and a submit button.",
+    "What is the capital of France?",
+    "List three uses of a for loop.",
+    "Write a haiku about the sea.",
+    "How do I reverse a list in Python?",
+    "Give me a JSON object describing a book with a title and an author.",
+    "What does the CSS property display: flex do?",
+    "Write a SQL query that counts the rows of a table named users.",
+    "Summarize the plot of Romeo and Juliet in one sentence.",
+    "Write a bash command that lists the files of a directory by size.",
+    "What is the difference between a list and a tuple in Python?",
+    "Write a short email asking a colleague for a meeting.",
+    "Name three planets of the solar system.",
+    "Write a JavaScript function that adds two numbers.",
+]
+
+
+def start(cmd: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str, float]:
+    """The server, its URL and its ready time (process start to a 200 from /health)."""
+    port = free_port()
+    cmd = [c.replace("{PORT}", str(port)) for c in cmd]
+    began = time.monotonic()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, proc, timeout=600)
+    return proc, url, time.monotonic() - began
+
+
+def cpu_name() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def llama_run(url: str, ids: list[int], n: int, top: int) -> list[dict[str, float]]:
+    """Per generated position: {token text: logprob} of llama-server's top `top`, the chosen
+    token first."""
+    body = {"prompt": ids, "n_predict": n, "temperature": 0, "n_probs": top,
+            "post_sampling_probs": False, "cache_prompt": False}  # fmt: skip
+    r = httpx.post(f"{url}/completion", json=body, timeout=600).json()
+    out = []
+    for position in r["completion_probabilities"]:
+        listed = position.get("top_logprobs") or position.get("probs") or []
+        ranked = {t["token"]: float(t["logprob"]) for t in listed}
+        out.append({position["token"]: ranked.get(position["token"], 0.0)} | ranked)
+    return out
+
+
+def thermostat_run(url: str, ids: list[int], n: int, top: int) -> list[dict[str, float]]:
+    body = {"model": "model", "prompt": ids, "max_tokens": n, "temperature": 0, "logprobs": top}
+    logprobs = httpx.post(f"{url}/v1/completions", json=body, timeout=600).json()["choices"][0][
+        "logprobs"
+    ]
+    return [
+        {token: chosen} | dict(ranked)
+        for token, chosen, ranked in zip(
+            logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True
+        )
+    ]
+
+
+def compare(theirs: list[dict[str, float]], mine: list[dict[str, float]], margin: float):
+    """(tokens compared, whether they agree up to there, worst shared-logprob difference)."""
+    worst = 0.0
+    for i, (t, m) in enumerate(zip(theirs, mine, strict=False)):
+        ranked = sorted(t.values(), reverse=True)
+        if len(ranked) > 1 and ranked[0] - ranked[1] < margin:
+            return i, True, worst  # a near tie: compared up to here
+        if next(iter(t)) != next(iter(m)):
+            return i, False, worst
+        shared = set(t) & set(m)
+        worst = max([worst, *(abs(t[k] - m[k]) for k in shared)])
+    return min(len(theirs), len(mine)), len(theirs) == len(mine), worst
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--thermostat", required=True)
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--top", type=int, default=5)
+    ap.add_argument("--margin", type=float, default=0.05)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--extra", default="", help="more `thermostat serve` flags")
+    ap.add_argument("--json", type=Path, help="append the result line to this file")
+    a = ap.parse_args()
+    procs = []
+    try:
+        llama, llama_url, llama_ready = start([
+            os.path.join(BIN_DIR, "llama-server"), "-m", a.gguf, "-t", str(a.threads),
+            "--host", "127.0.0.1", "--port", "{PORT}", "--no-webui", "-c", "4096",
+        ])  # fmt: skip
+        procs.append(llama)
+        ours, ours_url, ours_ready = start(
+            [a.thermostat, "serve", "--model", a.gguf, "--port", "{PORT}",
+             "--served-model-name", "model", "--no-enable-prefix-caching", *a.extra.split()],
+            env=dict(os.environ, OMP_NUM_THREADS=str(a.threads)),
+        )  # fmt: skip
+        procs.append(ours)
+        rows = []
+        for text in PROMPTS:
+            messages = [{"role": "user", "content": text}]
+            ids = httpx.post(f"{ours_url}/tokenize", json={"messages": messages},
+                             timeout=60).json()["tokens"]  # fmt: skip
+            theirs = llama_run(llama_url, ids, a.tokens, a.top)
+            mine = thermostat_run(ours_url, ids, a.tokens, a.top)
+            compared, agree, worst = compare(theirs, mine, a.margin)
+            rows.append({"prompt": text, "compared": compared, "agree": agree, "worst": worst})
+            print(f"{'same' if agree else 'DIFF'}  {compared:3d} tokens  max |dlogprob| "
+                  f"{worst:.4f}  {text[:50]}")  # fmt: skip
+        result = {
+            "date": time.strftime("%Y-%m-%d"),
+            "commit": subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).parent,
+            ).stdout.strip(),
+            "cpu": cpu_name(),
+            "threads": a.threads,
+            "gguf": Path(a.gguf).name,
+            "flags": a.extra,
+            "agree": sum(r["agree"] for r in rows),
+            "prompts": len(rows),
+            "worst_logprob_diff": max(r["worst"] for r in rows),
+            "ready_s": {"llama-server": round(llama_ready, 2), "thermostat": round(ours_ready, 2)},
+        }
+        print(f"\nagree {result['agree']}/{len(rows)}; largest shared top-{a.top} logprob "
+              f"difference {result['worst_logprob_diff']:.4f} nats; ready: llama-server "
+              f"{llama_ready:.1f} s, thermostat {ours_ready:.1f} s")  # fmt: skip
+        print(json.dumps(result))
+        if a.json:
+            with a.json.open("a") as f:
+                f.write(json.dumps(result) + "\n")
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+if __name__ == "__main__":
+    main()
