@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,18 +25,10 @@ PEERS_SCRIPTS = Path(
     os.environ.get("PEERS_SCRIPTS", Path(__file__).resolve().parents[2] / "shared" / "peers")
 )
 sys.path.insert(0, str(PEERS_SCRIPTS))
-from bench_llamacpp import BIN_DIR, free_port, wait_ready  # noqa: E402
+from bench_llamacpp import BIN_DIR  # noqa: E402
 
-
-def start(cmd: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [c.replace("{PORT}", str(port)) for c in cmd]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url, proc, timeout=300)
-    return proc, url
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gguf_agreement import start, stop  # noqa: E402
 
 
 def llama_top(url: str, ids: list[int], top: int) -> dict[str, float]:
@@ -71,11 +61,11 @@ def main() -> None:
     prompts = [[rng.randrange(100, a.vocab) for _ in range(a.length)] for _ in range(a.prompts)]
     procs = []
     try:
-        llama, llama_url = start([os.path.join(BIN_DIR, "llama-server"), "-m", a.gguf, "-t",
+        llama, llama_url, _ = start([os.path.join(BIN_DIR, "llama-server"), "-m", a.gguf, "-t",
                                   str(a.threads), "--host", "127.0.0.1", "--port", "{PORT}",
                                   "--no-webui"])  # fmt: skip
         procs.append(llama)
-        ours, ours_url = start([a.thermostat, "serve", "--model", a.gguf, "--port", "{PORT}",
+        ours, ours_url, _ = start([a.thermostat, "serve", "--model", a.gguf, "--port", "{PORT}",
                                 "--served-model-name", "model", "--no-enable-prefix-caching"],
                                env=dict(os.environ, OMP_NUM_THREADS=str(a.threads)))  # fmt: skip
         procs.append(ours)
@@ -91,12 +81,7 @@ def main() -> None:
         print(f"\n{a.gguf}: greedy token equal {same_greedy}/{len(prompts)}; largest logprob "
               f"difference over the top-{a.top} tokens both list: {worst:.4f} nats")  # fmt: skip
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGINT)
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,16 @@ def start(cmd: list[str], env: dict | None = None) -> tuple[subprocess.Popen, st
     return proc, url, time.monotonic() - began
 
 
+def stop(procs: list[subprocess.Popen]) -> None:
+    """SIGINT each server, SIGKILL one that has not exited 20 s later."""
+    for p in procs:
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def cpu_name() -> str:
     with open("/proc/cpuinfo") as f:
         for line in f:
@@ -176,12 +186,7 @@ def main() -> None:
             with a.json.open("a") as f:
                 f.write(json.dumps(result) + "\n")
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGINT)
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs)
 
 
 if __name__ == "__main__":
