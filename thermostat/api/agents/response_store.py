@@ -30,9 +30,6 @@ class ResponseStore:
         self.capacity = capacity
         self._items: OrderedDict[str, Stored] = OrderedDict()
 
-    def __len__(self) -> int:
-        return len(self._items)
-
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
         self._items[response["id"]] = Stored(response, [*conversation, answer(response)])
         while len(self._items) > self.capacity:
