@@ -1,6 +1,6 @@
 """Does Thermostat serve a GGUF file as llama.cpp does? The same file through llama-server and
-`thermostat serve`, the same chat-templated prompts (token ids from Thermostat's /tokenize),
-greedy:
+`thermostat serve`, the same chat-templated prompts (token ids from llama-server's
+/apply-template and /tokenize), greedy:
 per prompt, whether the two generations agree token for token up to the first position where
 llama-server's top-1 leads its runner-up by less than `--margin` nats (a near tie, where either
 reading may flip it), and the largest difference between the two servers' logprobs of the top
@@ -99,6 +99,13 @@ def llama_run(url: str, ids: list[int], n: int, top: int) -> list[dict[str, floa
     return out
 
 
+def prompt_ids(url: str, messages: list[dict]) -> list[int]:
+    """llama-server's token ids for the chat: the file's template applied, special tokens read."""
+    text = httpx.post(f"{url}/apply-template", json={"messages": messages}, timeout=60).json()
+    body = {"content": text["prompt"], "add_special": False, "parse_special": True}
+    return list(httpx.post(f"{url}/tokenize", json=body, timeout=60).json()["tokens"])
+
+
 def thermostat_run(url: str, ids: list[int], n: int, top: int) -> list[dict[str, float]]:
     body = {"model": "model", "prompt": ids, "max_tokens": n, "temperature": 0, "logprobs": top}
     logprobs = httpx.post(f"{url}/v1/completions", json=body, timeout=600).json()["choices"][0][
@@ -134,7 +141,14 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=5)
     ap.add_argument("--margin", type=float, default=0.05)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--extra", default="", help="more `thermostat serve` flags")
+    ap.add_argument("--extra", default="", help="more flags for the second server")
+    ap.add_argument(
+        "--versus",
+        choices=["thermostat", "llama-server"],
+        default="thermostat",
+        help="the second server: thermostat, or llama-server itself with --extra's flags "
+        "(its own agreement across its settings: the noise floor of this measure)",
+    )
     ap.add_argument("--json", type=Path, help="append the result line to this file")
     a = ap.parse_args()
     procs = []
@@ -144,19 +158,26 @@ def main() -> None:
             "--host", "127.0.0.1", "--port", "{PORT}", "--no-webui", "-c", "4096",
         ])  # fmt: skip
         procs.append(llama)
-        ours, ours_url, ours_ready = start(
-            [a.thermostat, "serve", "--model", a.gguf, "--port", "{PORT}",
-             "--served-model-name", "model", "--no-enable-prefix-caching", *a.extra.split()],
-            env=dict(os.environ, OMP_NUM_THREADS=str(a.threads)),
-        )  # fmt: skip
+        if a.versus == "llama-server":
+            ours, ours_url, ours_ready = start([
+                os.path.join(BIN_DIR, "llama-server"), "-m", a.gguf, "-t", str(a.threads),
+                "--host", "127.0.0.1", "--port", "{PORT}", "--no-webui", "-c", "4096",
+                *a.extra.split(),
+            ])  # fmt: skip
+        else:
+            ours, ours_url, ours_ready = start(
+                [a.thermostat, "serve", "--model", a.gguf, "--port", "{PORT}",
+                 "--served-model-name", "model", "--no-enable-prefix-caching", *a.extra.split()],
+                env=dict(os.environ, OMP_NUM_THREADS=str(a.threads)),
+            )  # fmt: skip
         procs.append(ours)
+        second = llama_run if a.versus == "llama-server" else thermostat_run
         rows = []
         for text in PROMPTS:
             messages = [{"role": "user", "content": text}]
-            ids = httpx.post(f"{ours_url}/tokenize", json={"messages": messages},
-                             timeout=60).json()["tokens"]  # fmt: skip
+            ids = prompt_ids(llama_url, messages)
             theirs = llama_run(llama_url, ids, a.tokens, a.top)
-            mine = thermostat_run(ours_url, ids, a.tokens, a.top)
+            mine = second(ours_url, ids, a.tokens, a.top)
             compared, agree, worst = compare(theirs, mine, a.margin)
             rows.append({"prompt": text, "compared": compared, "agree": agree, "worst": worst})
             print(f"{'same' if agree else 'DIFF'}  {compared:3d} tokens  max |dlogprob| "
@@ -172,15 +193,16 @@ def main() -> None:
             "cpu": cpu_name(),
             "threads": a.threads,
             "gguf": Path(a.gguf).name,
+            "versus": a.versus,
             "flags": a.extra,
             "agree": sum(r["agree"] for r in rows),
             "prompts": len(rows),
             "worst_logprob_diff": max(r["worst"] for r in rows),
-            "ready_s": {"llama-server": round(llama_ready, 2), "thermostat": round(ours_ready, 2)},
+            "ready_s": {"llama-server": round(llama_ready, 2), "second": round(ours_ready, 2)},
         }
         print(f"\nagree {result['agree']}/{len(rows)}; largest shared top-{a.top} logprob "
               f"difference {result['worst_logprob_diff']:.4f} nats; ready: llama-server "
-              f"{llama_ready:.1f} s, thermostat {ours_ready:.1f} s")  # fmt: skip
+              f"{llama_ready:.1f} s, {a.versus} {a.extra} {ours_ready:.1f} s")  # fmt: skip
         print(json.dumps(result))
         if a.json:
             with a.json.open("a") as f:

@@ -4,6 +4,7 @@ reference model."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,15 @@ BUILDS = {"avx512": FULL, "avx2": AVX2}  # the kernel builds (thermostat.kernels
 # time to generate data depend on what else the machine runs, so neither is checked.
 settings.register_profile("thermostat", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("thermostat")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def gguf_cache(tmp_path_factory) -> Path:
+    """The GGUF conversions (thermostat.models.gguf_reading) cached in the session's temporary
+    folder, not the user's cache; servers the tests start inherit it."""
+    folder = tmp_path_factory.mktemp("gguf-cache")
+    os.environ["THERMOSTAT_GGUF_CACHE"] = str(folder)
+    return folder
 
 
 @pytest.fixture(params=list(BUILDS))

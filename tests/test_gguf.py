@@ -23,6 +23,8 @@ from tests.test_deepseek import PROMPTS, prompt_logprobs
 from thermostat import LLM, SamplingParams, kernels
 from thermostat.api.defaults import DefaultsReport
 from thermostat.engine.loader import load_model, model_config_dict, resolve_model_path
+from thermostat.models import gguf_reading
+from thermostat.models.gguf_checkpoint import GGUFCheckpoint
 from thermostat.random_model import write_model
 from thermostat.sampling import Policy
 
@@ -281,6 +283,42 @@ def test_tokenizer_and_generation_config_beside_the_file_win(q8_0, tmp_path):
         beside / path.name, "tiny", None, Policy(), model_config_dict(beside / path.name)
     )
     assert report.baseline().source["temperature"] == "generation_config"
+
+
+def test_the_files_config_and_tokenizer_are_converted_once_then_read_back(
+    q8_0, tmp_path, monkeypatch, caplog
+):
+    path, _, src = q8_0
+    copy = tmp_path / "model" / path.name
+    copy.parent.mkdir()
+    shutil.copy(path, copy)
+    monkeypatch.setenv("THERMOSTAT_GGUF_CACHE", str(tmp_path / "cache"))
+    converted = []  # transformers reading the file itself (gguf_file=...)
+    for auto in (gguf_reading.AutoConfig, gguf_reading.AutoTokenizer):
+        real = auto.from_pretrained
+        monkeypatch.setattr(
+            auto,
+            "from_pretrained",
+            lambda *a, real=real, **k: converted.extend(k.get("gguf_file", [])) or real(*a, **k),
+        )
+
+    def opened() -> tuple[dict, list[int], str | None]:
+        checkpoint = GGUFCheckpoint.open(copy)
+        tokenizer = checkpoint.tokenizer()
+        text = "the age of wisdom"
+        return checkpoint.config_dict, tokenizer.encode(text), tokenizer.chat_template
+
+    first = opened()
+    assert converted and [p.name for p in (tmp_path / "cache").iterdir()] != []
+    converted.clear()
+    assert opened() == first and converted == []  # read back, the same
+    assert first[0]["_name_or_path"] == str(copy.parent)  # the file's folder, not the cache's
+    copy.touch()  # a changed file is converted again
+    assert opened() == first and converted
+    (tmp_path / "blocked").write_text("a file where the cache folder would be")
+    monkeypatch.setenv("THERMOSTAT_GGUF_CACHE", str(tmp_path / "blocked"))
+    assert opened() == first  # served all the same, with a warning
+    assert "cannot cache its config" in caplog.text
 
 
 def test_q4_0_is_served_in_int4_on_the_files_grid(q8_0, tmp_path):

@@ -28,6 +28,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
+from transformers.initialization import no_init_weights
 
 from thermostat import kernels
 from thermostat.engine.checkpoint import ModelLoadError, open_checkpoint
@@ -182,7 +183,8 @@ def load_model(
             checkpoint.source,
             str(torch_dtype).removeprefix("torch."),
         )
-    net = model_cls(arch, config, torch_dtype, max_positions=limit, ops=ops)
+    with no_init_weights():  # every parameter is loaded below (a missing one is an error)
+        net = model_cls(arch, config, torch_dtype, max_positions=limit, ops=ops)
     if fmt is not None and checkpoint.serve_as is not None:
         hold_float32(cast(nn.Module, net))  # the checkpoint's grid, exactly, until quantized
     try:

@@ -1,12 +1,13 @@
 """GGUF files (llama.cpp's one-file checkpoints): `thermostat serve --model model.gguf`.
 
 The config, tokenizer and chat template come from the file's metadata through transformers
-(`AutoConfig` / `AutoTokenizer` with `gguf_file`); a tokenizer.json or tokenizer_config.json
-beside the file wins over the metadata's tokenizer, and a generation_config.json beside it gives
-generation defaults (without one: the builtin ones). Tensors are read one at a time with the
-`gguf` package, dequantized to float32 (`gguf.quants.dequantize`) and renamed to the Hugging Face
-names of transformers' model for the config (gguf's tensor name map); llama.cpp's converter
-permutes the rows of Llama's q and k projections for its rotary layout, which `read` undoes.
+(`AutoConfig` / `AutoTokenizer` with `gguf_file`, kept on disk: `gguf_reading`); a tokenizer.json
+or tokenizer_config.json beside the file wins over the metadata's tokenizer, and a
+generation_config.json beside it gives generation defaults (without one: the builtin ones).
+Tensors are read one at a time with the `gguf` package, dequantized to float32
+(`gguf.quants.dequantize`) and renamed to the Hugging Face names of transformers' model for the
+config (gguf's tensor name map); llama.cpp's converter permutes the rows of Llama's q and k
+projections for its rotary layout, which `read` undoes.
 
 | GGUF type                 | a block of weights            | served as (default)              |
 |---------------------------|-------------------------------|----------------------------------|
@@ -46,13 +47,14 @@ from gguf import (
 )
 from gguf.quants import dequantize
 from transformers import (
-    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedTokenizerBase,
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from thermostat.models.gguf_reading import cached_config, cached_tokenizer, read_header
 
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 INT4_EXACT = ("Q4_0",)  # the GGML types whose weights lie on int4's grid (w = d (q - z))
@@ -91,13 +93,13 @@ class GGUFCheckpoint:
     def open(cls, path: Path) -> GGUFCheckpoint:
         """ValueError naming the file and what in it cannot be served."""
         try:
-            reader = GGUFReader(path)
+            reader = read_header(path)
         except (ValueError, OSError) as exc:
             raise ValueError(f"{path}: not a readable GGUF file ({exc})") from exc
         metadata = {k: f.contents() for k, f in reader.fields.items() if not _is_vocab(k)}
         architecture = str(metadata.get("general.architecture", ""))
         try:
-            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+            config = cached_config(path)
         except Exception as exc:  # transformers raises several types for an unknown file
             raise ValueError(f"{path}: transformers cannot read its config ({exc})") from exc
         main_type = _main_type(reader)
@@ -187,7 +189,7 @@ class GGUFCheckpoint:
         beside = self.directory
         if (beside / "tokenizer.json").is_file() or (beside / "tokenizer_config.json").is_file():
             return AutoTokenizer.from_pretrained(beside)
-        return AutoTokenizer.from_pretrained(beside, gguf_file=self.path.name)
+        return cached_tokenizer(self.path)
 
 
 def _is_vocab(key: str) -> bool:

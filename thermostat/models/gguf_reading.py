@@ -1,0 +1,120 @@
+"""Reading a GGUF file's header fast, and keeping what transformers converts from it.
+
+gguf's `GGUFReader` walks the header through numpy memmap slices, one per string: SmolLM2's
+49,152-token vocabulary and its merges are ~300k slices, 2.5 s; `read_header` takes plain array
+views of the same map (0.5 s) and parses a file once per process. transformers reads the file
+again for the config (4.9 s) and again for the tokenizer (4.2 s, the conversion included):
+`cached_config` and `cached_tokenizer` keep both as save_pretrained writes them, under
+$THERMOSTAT_GGUF_CACHE (else ~/.cache/thermostat/gguf) in a folder per file named by its path,
+size, modification time and transformers' version, so a later start reads them back in 0.1 s.
+A cache that cannot be written is skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import transformers
+from gguf import GGUFReader
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+log = logging.getLogger("thermostat")
+Saved = TypeVar("Saved", PretrainedConfig, PreTrainedTokenizerBase)
+
+
+class _ArrayViewReader(GGUFReader):
+    """GGUFReader whose slices of the file are plain ndarray views of its memmap (a memmap
+    slice runs numpy's memmap bookkeeping each time); the same fields and tensors."""
+
+    def _get(
+        self, offset: int, dtype: Any, count: int = 1, override_order: Any = None
+    ) -> np.ndarray:
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        kind = np.dtype(dtype)
+        count = int(count)
+        values: np.ndarray = plain[offset : offset + kind.itemsize * count].view(kind)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return values if order == "I" else values.view(values.dtype.newbyteorder(order))
+
+
+def read_header(path: Path) -> GGUFReader:
+    """The file's parsed header and its memory-mapped tensors, parsed once per file version."""
+    stat = path.stat()
+    return _read(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read(path: Path, size: int, mtime_ns: int) -> GGUFReader:
+    return _ArrayViewReader(path)
+
+
+def cache_root() -> Path:
+    custom = os.environ.get("THERMOSTAT_GGUF_CACHE")
+    return Path(custom) if custom else Path.home() / ".cache" / "thermostat" / "gguf"
+
+
+def _folder(path: Path) -> Path:
+    stat = path.stat()
+    key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}"
+    return cache_root() / hashlib.sha256(key.encode()).hexdigest()[:20]
+
+
+def cached_config(path: Path) -> PretrainedConfig:
+    """transformers' config for the file (AutoConfig with gguf_file), from the cache when there;
+    `_name_or_path` is the file's folder either way."""
+    config: PretrainedConfig = _cached(
+        path,
+        "config",
+        lambda: AutoConfig.from_pretrained(path.parent, gguf_file=path.name),
+        AutoConfig.from_pretrained,
+    )
+    config._name_or_path = str(path.parent)
+    return config
+
+
+def cached_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """transformers' tokenizer from the file's metadata (AutoTokenizer with gguf_file), from the
+    cache when there."""
+    return _cached(
+        path,
+        "tokenizer",
+        lambda: AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name),
+        AutoTokenizer.from_pretrained,
+    )
+
+
+def _cached(
+    path: Path, part: str, convert: Callable[[], Saved], load: Callable[[Path], Saved]
+) -> Saved:
+    """`load` of the cached folder `part` of the file's entry; else `convert`, then saved there
+    (written aside and renamed, so a reader never sees half an entry)."""
+    folder = _folder(path) / part
+    if folder.is_dir():
+        try:
+            return load(folder)
+        except Exception as exc:  # a damaged entry: converted again below
+            log.warning("%s: unreadable cache entry %s (%s); converting again", path, folder, exc)
+            shutil.rmtree(folder, ignore_errors=True)
+    value = convert()
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        aside = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{part}-"))
+        value.save_pretrained(aside)
+        try:
+            aside.rename(folder)
+        except OSError:  # another process wrote it first
+            shutil.rmtree(aside, ignore_errors=True)
+    except OSError as exc:
+        log.warning("%s: cannot cache its %s under %s (%s)", path, part, folder.parent, exc)
+    return value
