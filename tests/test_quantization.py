@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from thermostat import LLM, SamplingParams, kernels
-from thermostat.commands.diagnose import Cell, conclude
+from thermostat.commands.diagnose import Cell, conclude, one_sided_p
 from thermostat.disagg.handoff import disagreements, fingerprint
 from thermostat.engine.loader import ModelLoadError
 from thermostat.models.quant import (
@@ -259,3 +259,19 @@ def test_diagnose_names_weight_quantization():
     cause, explanation = conclude(cells)
     assert cause == "weight quantization"
     assert "int4 weights 75% vs checkpoint 0%" in explanation
+
+
+def test_diagnose_sets_greedy_against_the_best_sampled_level_and_wants_significance():
+    def cells(greedy: int, defaults: int, recommended: int, n: int = 32) -> list[Cell]:
+        return [
+            Cell("greedy", "full", "checkpoint", n, greedy, ""),
+            Cell("defaults", "full", "checkpoint", n, defaults, ""),
+            Cell("recommended", "full", "checkpoint", n, recommended, ""),
+        ]
+
+    # the real model's case: a near-greedy recommendation loops too, temperature 1 does not
+    cause, explanation = conclude(cells(6, 0, 9))
+    assert cause == "greedy decoding"
+    assert "greedy 19% vs sampled defaults 0%, recommended 28%" in explanation
+    assert one_sided_p(6, 32, 0, 32) < 0.05 < one_sided_p(2, 8, 0, 8)
+    assert conclude(cells(2, 0, 0, n=8))[0] == "neither"  # 25% vs 0% of 8: could be chance

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,7 +48,8 @@ DEFAULT_PROMPTS = [
     "My lord, I have news from the north.",
     "The committee met on Tuesday to discuss",
 ]
-EFFECT = 0.25  # a factor explains degeneration when switching it moves the rate this much
+EFFECT = 0.10  # a factor explains degeneration when switching it moves the rate this much,
+SIGNIFICANCE = 0.05  # and the move is no chance at these counts (one-sided Fisher exact test)
 
 
 @dataclass
@@ -81,27 +83,59 @@ def measure(
     return len(bad), (bad[0].reasons[0] if bad and bad[0].reasons else "")
 
 
+def one_sided_p(bad: int, n: int, other_bad: int, other_n: int) -> float:
+    """P(at least `bad` of `n` degenerate) if both groups shared one rate: Fisher's exact test,
+    the hypergeometric tail over the pooled counts."""
+    total, pooled = n + other_n, bad + other_bad
+    tail = sum(
+        math.comb(pooled, x) * math.comb(total - pooled, n - x)
+        for x in range(bad, min(pooled, n) + 1)
+    )
+    return tail / math.comb(total, n)
+
+
 def conclude(cells: list[Cell]) -> tuple[str, str]:
-    """(cause, explanation) from the per-cell rates."""
+    """(cause, explanation) from the per-cell counts: a factor is a cause when the rate with it
+    exceeds the rate without by EFFECT and no chance explains that (SIGNIFICANCE). Greedy
+    decoding is set against the sampled level that degenerates least."""
+
+    def counts(pred) -> tuple[int, int]:
+        chosen = [c for c in cells if pred(c)]
+        return sum(c.degenerate for c in chosen), sum(c.generations for c in chosen)
 
     def rate(pred) -> float:
-        chosen = [c for c in cells if pred(c)]
-        return sum(c.degenerate for c in chosen) / max(sum(c.generations for c in chosen), 1)
+        bad, n = counts(pred)
+        return bad / max(n, 1)
 
+    def explains(with_it, without) -> bool:
+        (bad, n), (other_bad, other_n) = counts(with_it), counts(without)
+        if not n or not other_n or bad / n - other_bad / other_n < EFFECT:
+            return False
+        return one_sided_p(bad, n, other_bad, other_n) < SIGNIFICANCE
+
+    levels = list(dict.fromkeys(c.decoding for c in cells if c.decoding != "greedy"))
+    best = min(levels, key=lambda lv: rate(lambda c: c.decoding == lv), default=None)
     greedy = rate(lambda c: c.decoding == "greedy")
-    sampled = rate(lambda c: c.decoding != "greedy")
     fp8, full = rate(lambda c: c.kv_cache == "fp8_e4m3"), rate(lambda c: c.kv_cache == "full")
     stored = rate(lambda c: c.weights == "checkpoint")
     quantized = {w: rate(lambda c, w=w: c.weights == w) for w in ("int8", "int4")}
     quantized = {w: r for w, r in quantized.items() if any(c.weights == w for c in cells)}
     causes = []
-    if greedy - sampled >= EFFECT:
+    if best is not None and explains(
+        lambda c: c.decoding == "greedy", lambda c: c.decoding == best
+    ):
         causes.append("greedy decoding")
-    if any(c.kv_cache == "full" for c in cells) and fp8 - full >= EFFECT:
+    if any(c.kv_cache == "full" for c in cells) and explains(
+        lambda c: c.kv_cache == "fp8_e4m3", lambda c: c.kv_cache == "full"
+    ):
         causes.append("KV cache quantization")
-    if any(r - stored >= EFFECT for r in quantized.values()):
+    if any(
+        explains(lambda c, w=w: c.weights == w, lambda c: c.weights == "checkpoint")
+        for w in quantized
+    ):
         causes.append("weight quantization")
-    summary = f"degeneration rate: greedy {greedy:.0%} vs sampled {sampled:.0%}" + (
+    sampled = ", ".join(f"{lv} {rate(lambda c, lv=lv: c.decoding == lv):.0%}" for lv in levels)
+    summary = f"degeneration rate: greedy {greedy:.0%} vs sampled {sampled}" + (
         f"; fp8 KV {fp8:.0%} vs full {full:.0%}" if any(c.kv_cache == "full" for c in cells) else ""
     )
     summary += "".join(f"; {w} weights {r:.0%}" for w, r in quantized.items())
@@ -109,7 +143,7 @@ def conclude(cells: list[Cell]) -> tuple[str, str]:
         summary += f" vs checkpoint {stored:.0%}"
     if causes:
         return " and ".join(causes), summary
-    if max(greedy, sampled) >= EFFECT:
+    if max(rate(lambda c: True), greedy) >= EFFECT:
         return (
             "neither",
             summary + ": degeneration follows none of the factors (look at the model or prompts)",
@@ -117,7 +151,10 @@ def conclude(cells: list[Cell]) -> tuple[str, str]:
     return "neither", summary + ": no degeneration found"
 
 
-def local_generator(model: str, kv_cache: str, weights: str, max_tokens: int, options: dict):
+def local_generator(
+    model: str, kv_cache: str, weights: str, max_tokens: int, options: dict, chat: bool = False
+):
+    """`chat`: each prompt a user message through the model's chat template (LLM.chat)."""
     from thermostat import LLM
 
     quantization = None if weights == "checkpoint" else weights
@@ -125,6 +162,9 @@ def local_generator(model: str, kv_cache: str, weights: str, max_tokens: int, op
 
     def generate(prompts: list[str], fields: dict) -> list[str]:
         params = SamplingParams(max_tokens=max_tokens, **fields)
+        if chat:
+            conversations = [[{"role": "user", "content": p}] for p in prompts]
+            return [o.text for o in llm.chat(conversations, params)]
         return [o.text for o in llm.generate(prompts, params)]
 
     return llm, generate
@@ -167,7 +207,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--endpoint",
         choices=["completions", "chat", "responses", "messages"],
         default="completions",
-        help="with --url: the API the probes go through (as `verify --endpoint`)",
+        help="the API the probes go through (with --url: as `verify --endpoint`); on a local "
+        "model, chat renders each prompt as a user message through its chat template",
     )
     p.add_argument("--prompts", type=Path, help="a text file, one prompt per line")
     p.add_argument("--max-tokens", type=int, default=200)
@@ -224,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
                         w,
                         args.max_tokens,
                         {"dtype": args.dtype},
+                        chat=args.endpoint != "completions",
                     )
                     rec = recommendation_for(llm.engine.loaded.config_dict)
                     setups.append((kv, w, generate, rec.values if rec else None))
