@@ -22,6 +22,7 @@ from tests.conftest import hf_model
 from tests.test_deepseek import PROMPTS, prompt_logprobs
 from thermostat import LLM, SamplingParams, kernels
 from thermostat.api.defaults import DefaultsReport
+from thermostat.cli import main
 from thermostat.engine.loader import load_model, model_config_dict, resolve_model_path
 from thermostat.models import gguf_reading
 from thermostat.models.gguf_checkpoint import GGUFCheckpoint
@@ -424,3 +425,33 @@ def test_q4_k_m_file_is_served_in_int8(tmp_path):
     got = loaded.model.layers[0].self_attn.o_proj.weight.dequantize().view_as(want)
     step = (want.amax(-1, keepdim=True) - want.amin(-1, keepdim=True)) / 15
     assert ((got - want).abs() <= step * 1.01 + rounding).all()
+
+
+def test_files_that_cannot_be_served_are_refused_before_serve_listens(q8_0, tmp_path, capsys):
+    """A truncated file, a tensor type gguf cannot read, an architecture the engine does not
+    serve: `thermostat serve` exits 2 with one line naming the file and why, nothing loaded."""
+    path, _, src = q8_0
+    data = path.read_bytes()
+    cut_in_tensors, cut_in_header = tmp_path / "cut-tensors.gguf", tmp_path / "cut-header.gguf"
+    cut_in_tensors.write_bytes(data[: len(data) // 2])
+    cut_in_header.write_bytes(data[:2000])
+    odd_type = tmp_path / "i32.gguf"
+    writer = gguf.GGUFWriter(odd_type, "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.int32))  # GGML I32
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    gpt2 = tmp_path / "gpt2.gguf"
+    write_gguf(src, gpt2, Q.Q8_0, arch="gpt2")
+    unreadable = "not a readable GGUF file, truncated or not GGUF"
+    for file, why in (
+        (cut_in_tensors, f"{unreadable} ({len(data) // 2} bytes"),
+        (cut_in_header, f"{unreadable} (2000 bytes"),
+        (odd_type, "holds tensors of GGML type I32, which Thermostat does not serve"),
+        (gpt2, "architectures=['GPT2LMHeadModel'] is not supported; Thermostat serves"),
+    ):
+        assert main(["serve", "--model", str(file), "--port", "0"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"thermostat serve: error: {file}: ") and why in err, err
+        assert "\n" not in err and "Traceback" not in err

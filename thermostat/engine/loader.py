@@ -111,6 +111,15 @@ def model_config_dict(path: Path) -> dict[str, Any]:
     return config
 
 
+def check_architecture(path: Path, config: dict[str, Any]) -> None:
+    """ModelLoadError naming the model and what the engine serves when none of its config's
+    `architectures` is served."""
+    try:
+        model_class(list(config.get("architectures") or []))
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+
+
 def resolve_dtype(name: str, config: PretrainedConfig) -> torch.dtype:
     if name == "auto":
         declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
@@ -171,7 +180,7 @@ def load_model(
         name, model_cls = model_class(list(getattr(config, "architectures", None) or []))
         arch = model_cls.arch_from_config(config, name)
     except (ValueError, AttributeError) as exc:
-        raise ModelLoadError(str(exc)) from exc
+        raise ModelLoadError(f"{path}: {exc}") from exc
     torch_dtype = resolve_dtype(dtype, config)
     limit = min(max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
     ops = kernels.ops() if cpu_kernels else None

@@ -31,6 +31,7 @@ minimum per block. `--quantization int4` still asks for the smaller, moved form.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -40,7 +41,9 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import (
+    GGML_QUANT_SIZES,
     MODEL_ARCH_NAMES,
+    GGMLQuantizationType,
     GGUFReader,
     LlamaFileType,
     get_tensor_name_map,
@@ -60,6 +63,20 @@ FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 INT4_EXACT = ("Q4_0",)  # the GGML types whose weights lie on int4's grid (w = d (q - z))
 EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)_exps\.weight")
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's llama3 rope: a divisor per frequency
+
+
+@functools.cache
+def served_types() -> tuple[str, ...]:
+    """The GGML types whose blocks gguf's `dequantize` reads (one zero block of each tried)."""
+    served = []
+    for qtype in GGMLQuantizationType:
+        _, size = GGML_QUANT_SIZES.get(qtype, (0, 0))
+        try:
+            dequantize(np.zeros((1, size), dtype=np.uint8), qtype)
+        except (NotImplementedError, ValueError, TypeError):
+            continue
+        served.append(qtype.name)
+    return tuple(served)
 
 
 def is_gguf(path: Path) -> bool:
@@ -94,8 +111,17 @@ class GGUFCheckpoint:
         """ValueError naming the file and what in it cannot be served."""
         try:
             reader = read_header(path)
-        except (ValueError, OSError) as exc:
-            raise ValueError(f"{path}: not a readable GGUF file ({exc})") from exc
+        except (ValueError, OSError, IndexError, KeyError) as exc:
+            size = path.stat().st_size
+            raise ValueError(
+                f"{path}: not a readable GGUF file, truncated or not GGUF ({size} bytes; {exc})"
+            ) from exc
+        unserved = sorted({t.tensor_type.name for t in reader.tensors} - set(served_types()))
+        if unserved:
+            raise ValueError(
+                f"{path}: holds tensors of GGML type {', '.join(unserved)}, which Thermostat "
+                f"does not serve (it serves {', '.join(served_types())})"
+            )
         metadata = {k: f.contents() for k, f in reader.fields.items() if not _is_vocab(k)}
         architecture = str(metadata.get("general.architecture", ""))
         try:

@@ -127,6 +127,6 @@ def model_class(architectures: list[str]) -> tuple[str, type[CausalLM]]:
         if name in ARCHITECTURES:
             return name, ARCHITECTURES[name]
     raise ValueError(
-        f"config.json: architectures={architectures} is not supported; "
+        f"architectures={architectures} is not supported; "
         f"Thermostat serves {', '.join(ARCHITECTURES)}"
     )

@@ -14,7 +14,12 @@ from thermostat.api.defaults import DefaultsReport
 from thermostat.api.errors import install_error_handlers
 from thermostat.api.middleware import GateMiddleware
 from thermostat.engine.checkpoint import ModelLoadError
-from thermostat.engine.loader import DEMO_MODEL_DIR, model_config_dict, resolve_model_path
+from thermostat.engine.loader import (
+    DEMO_MODEL_DIR,
+    check_architecture,
+    model_config_dict,
+    resolve_model_path,
+)
 from thermostat.engine.packaged_models import PACKAGED
 from thermostat.engine.speculative import no_next_n
 from thermostat.server.agent_backend import ServeChat
@@ -42,6 +47,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     named = config.engine.model == "demo" or config.engine.model in PACKAGED
     name = config.served_model_name or (config.engine.model if named else model_dir.name)
     model_config = model_config_dict(model_dir)
+    check_architecture(model_dir, model_config)  # refused before the server listens
     if config.engine.speculative == "mtp" and not model_config.get("num_nextn_predict_layers"):
         raise ModelLoadError(no_next_n(model_dir))  # refused before anything loads
     defaults = DefaultsReport.for_model(

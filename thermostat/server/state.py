@@ -21,6 +21,7 @@ from thermostat.api.metrics import Metrics
 from thermostat.api.tool_parsers import ToolParser, marker_tokens, parser_for
 from thermostat.api.traffic import BUCKET_S
 from thermostat.disagg.handoff import model_identity
+from thermostat.engine.checkpoint import ModelLoadError
 from thermostat.engine.llm_engine import LLMEngine
 from thermostat.engine.loader import load_configured
 from thermostat.server.async_engine import AsyncEngine
@@ -86,6 +87,9 @@ class ServerState(Lifecycle):
         async_engine = AsyncEngine(build)
         try:
             engine = await async_engine.start()
+        except ModelLoadError as exc:  # says what and why: one line
+            self.fail("the model could not be loaded: %s; exiting", exc)
+            return
         except Exception:
             self.fail("the model could not be loaded; exiting", traceback=True)
             return
