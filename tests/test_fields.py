@@ -108,6 +108,12 @@ def test_sampling_effective_keys_and_order_are_the_contract():
         "repetition_penalty",
         "frequency_penalty",
         "presence_penalty",
+        "dry_multiplier",
+        "dry_base",
+        "dry_allowed_length",
+        "dry_penalty_last_n",
+        "xtc_probability",
+        "xtc_threshold",
         "max_tokens",
         "seed",
     ]

@@ -22,16 +22,17 @@ from scipy.stats import chisquare
 
 from thermostat.engine import sampler
 from thermostat.engine.logprobs import top_alternatives
+from thermostat.engine.repetition import apply_penalties, token_counts
 from thermostat.engine.sampler import (
     SamplingBatch,
-    apply_penalties,
     apply_top_k_top_p_min_p,
     sample_batch,
     sample_from_probs,
-    token_counts,
 )
+from thermostat.sampling.fields import BUILTIN
 
 V = 12
+DRY_XTC = [n for n in BUILTIN if n.startswith(("dry_", "xtc_"))]
 N = 20_000
 TV_BOUND = 0.03
 P_MIN = 1e-4
@@ -61,8 +62,12 @@ def make_batch(
     output_ids: tuple[int, ...] = (),
     banned_ids: tuple[int, ...] = (),
     num_logprobs: int | None = None,
+    **repetition: float,
 ) -> SamplingBatch:
-    """A batch of ``rows`` identical rows that use the default generator."""
+    """A batch of ``rows`` identical rows that use the default generator; `repetition`: DRY and
+    XTC fields (default: their builtin values, off)."""
+    against_loops = {name: [BUILTIN[name]] * rows for name in DRY_XTC}
+    against_loops |= {name: [value] * rows for name, value in repetition.items()}
     return SamplingBatch(
         temperature=[temperature] * rows,
         top_k=[top_k] * rows,
@@ -71,6 +76,7 @@ def make_batch(
         repetition_penalty=[repetition_penalty] * rows,
         frequency_penalty=[frequency_penalty] * rows,
         presence_penalty=[presence_penalty] * rows,
+        **against_loops,
         generators=[None] * rows,
         prompt_ids=[list(prompt_ids)] * rows,
         output_ids=[list(output_ids)] * rows,
@@ -357,6 +363,7 @@ def _seeded_run(
             repetition_penalty=[r.get("repetition_penalty", 1.0) for r in rows],
             frequency_penalty=[r.get("frequency_penalty", 0.0) for r in rows],
             presence_penalty=[0.0 for _ in rows],
+            **{name: [BUILTIN[name]] * len(rows) for name in DRY_XTC},
             generators=generators,
             prompt_ids=[[1, 2, 3] for _ in rows],
             output_ids=[list(o) for o in outputs],

@@ -19,6 +19,7 @@ from thermostat.engine.request import Request, RequestStatus
 from thermostat.engine.scheduler import Scheduler
 from thermostat.engine.steps import RunnerOutput, SchedulerOutput
 from thermostat.errors import InvalidRequest
+from thermostat.sampling.fields import BUILTIN
 from thermostat.sampling.params import EffectiveParams
 
 BS = 4  # block size
@@ -28,17 +29,7 @@ FILLER = 7  # the token the fake runner samples when a test does not name one
 
 def params(max_tokens: int = 8, **fields: Any) -> EffectiveParams:
     """Greedy and neutral; the scheduler reads only max_tokens, min_tokens, prompt_logprobs."""
-    return EffectiveParams(
-        temperature=0.0,
-        top_p=1.0,
-        top_k=-1,
-        min_p=0.0,
-        repetition_penalty=1.0,
-        frequency_penalty=0.0,
-        presence_penalty=0.0,
-        max_tokens=max_tokens,
-        **fields,
-    )
+    return EffectiveParams(**(BUILTIN | {"temperature": 0.0}), max_tokens=max_tokens, **fields)
 
 
 def prompt(n: int, first: int = 100) -> list[int]:

@@ -296,17 +296,32 @@ def test_seeded_output_is_the_same_alone_batched_and_without_speculation() -> No
             (1.0, 2, {"top_p": 0.9, "repetition_penalty": 1.2}),
             (0.9, 3, {"top_k": 20, "frequency_penalty": 0.3}),
             (1.0, 4, {"structured": StructuredOutput.regex("[A-Z][a-z]+(, [a-z]+)*", "regex")}),
+            (0.8, 5, {"dry_multiplier": 0.8, "xtc_probability": 0.5, "xtc_threshold": 0.05}),
         ]
     ]
-    prompts = ["The king", "My lord,", "Enter HAMLET", "HAMLET. Words, words, words, words"]
+    prompts = ["The king", "My lord,", "Enter HAMLET", "HAMLET. Words, words, words, words", "My"]
     plain = LLM("demo").generate(prompts, seeded)
     speculating = LLM("demo", speculative="ngram")
     alone = [speculating.generate([p], s)[0] for p, s in zip(prompts, seeded, strict=True)]
-    crowded = speculating.generate(prompts * 2, seeded * 2)[:4]  # 8 running > max_running
+    crowded = speculating.generate(prompts * 2, seeded * 2)[:5]  # 10 running > max_running
     for want, one, many in zip(plain, alone, crowded, strict=True):
         assert want.token_ids == one.token_ids == many.token_ids
     assert sum(o.sampling["speculative"]["accepted"] for o in alone) > 0
     assert all(o.sampling["speculative"]["proposed"] == 0 for o in crowded)
+
+
+def test_greedy_with_dry_equals_no_speculation_and_breaks_the_loop() -> None:
+    """DRY penalises the token that would extend a repeat, counting a speculating row's
+    proposals before it as output: the same bits with speculation on or off, and the demo's
+    greedy loop is not the output any more."""
+    prompts = ["My lord, my lord, my lord,", "The king"]
+    dry = dataclasses.replace(GREEDY, max_tokens=48, dry_multiplier=0.8)
+    _, looping = generate("demo", prompts, dataclasses.replace(GREEDY, max_tokens=48))
+    _, off = generate("demo", prompts, dry)
+    _, on = generate("demo", prompts, dry, speculative="ngram")
+    same(off, on)
+    assert all(a.token_ids != b.token_ids for a, b in zip(looping, off, strict=True))
+    assert off[0].sampling["effective"]["dry_multiplier"] == 0.8
 
 
 def test_constrained_greedy_equals_no_speculation() -> None:
@@ -340,10 +355,11 @@ def test_seeded_output_is_the_same_with_proposals_forced_to_hold_and_fail(monkey
         SamplingParams(temperature=0.8, seed=6, presence_penalty=1.5, top_k=40),
         SamplingParams(temperature=1.0, seed=7, top_p=0.9, min_p=0.02),
         SamplingParams(temperature=1.0, seed=8, structured=grammar),
+        SamplingParams(temperature=0.8, seed=9, dry_multiplier=1.0, xtc_probability=0.5),
     ]
     seeded = [dataclasses.replace(p, max_tokens=40, ignore_eos=True) for p in seeded]
     llm = LLM("demo", speculative="ngram")
-    texts = ("My lord, my lord, my lord, my", "The king", "Enter", "KING. Go")  # the first loops
+    texts = ("My lord, my lord, my lord, my", "The king", "Enter", "KING. Go", "O Romeo, Romeo")
     prompts = [llm.tokenizer.encode(p) for p in texts]
     plain = LLM("demo").generate(prompts, seeded)
     wanted = {tuple(p): o.token_ids for p, o in zip(prompts, plain, strict=True)}

@@ -23,6 +23,7 @@ from thermostat.engine.loader import LoadedModel, load_configured
 from thermostat.engine.model_runner import ModelRunner
 from thermostat.engine.output_text import OutputText
 from thermostat.engine.outputs import QueuedRequest, RequestDelta
+from thermostat.engine.repetition import BreakerTokens
 from thermostat.engine.request import Request
 from thermostat.engine.scheduler import Scheduler
 from thermostat.engine.speculative import no_next_n
@@ -87,8 +88,14 @@ class LLMEngine:
             speculation = replace(scheduling.speculation, k=min(config.speculative_k, 1))
             scheduling = replace(scheduling, speculation=speculation)
         self.scheduler = Scheduler(scheduling, self.blocks)
+        tokenizer, known = self.tokenizer, min(len(self.tokenizer), arch.vocab_size)
         self.runner = ModelRunner(
-            self.loaded.model, self.cache, config.block_size, arch.sliding_window, drafter
+            self.loaded.model,
+            self.cache,
+            config.block_size,
+            arch.sliding_window,
+            drafter,
+            BreakerTokens(lambda: tokenizer.batch_decode([[i] for i in range(known)])),
         )
         self.constraints = ConstraintCompiler(
             self.tokenizer, arch.vocab_size, self.loaded.eos_token_ids

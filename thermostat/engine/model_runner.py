@@ -10,6 +10,7 @@ import torch
 
 from thermostat.engine.constraint import Bitmask
 from thermostat.engine.logprobs import prompt_logprobs
+from thermostat.engine.repetition import BreakerTokens
 from thermostat.engine.sampler import (
     SamplingBatch,
     argmax_rows,
@@ -33,6 +34,7 @@ from thermostat.models.registry import CausalLM, Drafter
 class RunnerRequest:
     data: NewRequestData
     generator: torch.Generator | None
+    dry_breakers: frozenset[int] = frozenset()  # DRY's sequence breakers' token ids
     output_token_ids: list[int] = field(default_factory=list)
 
 
@@ -43,6 +45,7 @@ class ModelRunner:
     block_size: int
     sliding_window: int | None = None
     drafter: Drafter | None = None  # `--speculative mtp`: the model, whose next-n layer proposes
+    breakers: BreakerTokens | None = None  # DRY's breaker strings -> token ids (the tokenizer's)
     requests: dict[str, RunnerRequest] = field(default_factory=dict, init=False)
 
     def execute(
@@ -55,7 +58,10 @@ class ModelRunner:
         for data in out.new_requests:
             seed = data.params.seed
             gen = None if seed is None else torch.Generator().manual_seed(seed)
-            self.requests[data.req_id] = RunnerRequest(data, gen)
+            breakers: frozenset[int] = frozenset()
+            if data.params.dry_multiplier > 0.0 and self.breakers is not None:
+                breakers = self.breakers.ids(data.params.dry_sequence_breakers)
+            self.requests[data.req_id] = RunnerRequest(data, gen, breakers)
         result = RunnerOutput()
         for scheduled in out.handoffs:
             self._load_handoff(scheduled, result)
@@ -205,6 +211,8 @@ class ModelRunner:
             banned_ids=[list(c.banned_token_ids) for c, _ in scored],
             allowed=[_allowed(c, i) for c, i in scored],
             num_logprobs=[p.logprobs for p in params],
+            dry_breakers=[r.dry_breakers for r in reqs],
+            seeds=[p.seed for p in params],
         )
 
     def _prepare(

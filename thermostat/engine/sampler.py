@@ -1,7 +1,8 @@
 """Batched, exact token sampling with per-row parameters.
 
-Order of operations (as in transformers and vLLM): ban and constrain -> penalties ->
-temperature -> top-k -> top-p -> min-p -> sample. Shapes: B = rows in the batch, V = vocabulary
+Order of operations (as in transformers and vLLM): ban and constrain -> penalties and DRY ->
+temperature -> top-k -> top-p -> min-p -> XTC -> sample (engine/repetition.py: the penalties,
+DRY, XTC). Shapes: B = rows in the batch, V = vocabulary
 size. All arithmetic is float32 on the logits' device; a row must keep at least one finite logit.
 """
 
@@ -16,6 +17,13 @@ import numpy.typing as npt
 import torch
 
 from thermostat.engine.logprobs import logprobs_of
+from thermostat.engine.repetition import (
+    apply_dry,
+    apply_penalties,
+    apply_xtc,
+    token_counts,
+    xtc_coins,
+)
 from thermostat.engine.steps import SamplerOutput, TokenLogprobs
 from thermostat.sampling.fields import BATCH_FIELDS, FIELD
 from thermostat.sampling.params import EffectiveParams
@@ -23,27 +31,6 @@ from thermostat.sampling.params import EffectiveParams
 _NEG_INF = float("-inf")
 # by the table's SamplingField.batch_dtype (None, a field that is not a batch column: no entry)
 _TORCH_DTYPES: dict[str | None, torch.dtype] = {"float32": torch.float32, "int64": torch.int64}
-
-
-def token_counts(
-    ids: list[list[int]], vocab_size: int, device: torch.device | str | None = None
-) -> torch.Tensor:
-    """Return [B, V] int32 counts of each token id per row (rows may be empty).
-
-    Rows are right-padded with the sentinel id ``vocab_size`` into a [B, V+1] buffer, counted with
-    one ``scatter_add_`` and the sentinel column is dropped, so there is no Python loop over tokens.
-    """
-    rows = len(ids)
-    width = max((len(row) for row in ids), default=0)
-    counts = torch.zeros((rows, vocab_size + 1), dtype=torch.int32, device=device)
-    if rows and width:
-        padded = torch.tensor(
-            [list(row) + [vocab_size] * (width - len(row)) for row in ids],
-            dtype=torch.int64,
-            device=device,
-        )
-        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.int32))
-    return counts[:, :vocab_size]
 
 
 def apply_allowed(
@@ -67,31 +54,6 @@ def apply_allowed(
     out = logits.clone()
     out[index] = logits[index].masked_fill(drop, _NEG_INF)
     return out
-
-
-def apply_penalties(
-    logits: torch.Tensor,
-    prompt_counts: torch.Tensor | None,
-    output_counts: torch.Tensor,
-    repetition_penalty: torch.Tensor,
-    frequency_penalty: torch.Tensor,
-    presence_penalty: torch.Tensor,
-) -> torch.Tensor:
-    """Return penalised copy of ``logits`` [B, V]; penalty tensors are [B] float32.
-
-    Repetition (HF/vLLM, 1.0 = off): every token seen in the prompt OR the output has a positive
-    logit divided by r and a non-positive one multiplied by r. Frequency/presence (OpenAI, 0 = off)
-    count OUTPUT tokens only: ``logit -= f * count + p * (count > 0)``. ``prompt_counts`` may be
-    None when no prompt tokens should count. Neutral values are exact no-ops (x / 1, x - 0).
-    """
-    seen = output_counts > 0
-    if prompt_counts is not None:
-        seen = seen | (prompt_counts > 0)
-    r = repetition_penalty[:, None]
-    repeated = torch.where(logits > 0, logits / r, logits * r)
-    out = torch.where(seen, repeated, logits)
-    out = out - frequency_penalty[:, None] * output_counts.to(out.dtype)
-    return out - presence_penalty[:, None] * (output_counts > 0).to(out.dtype)
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -196,6 +158,12 @@ class SamplingBatch:
     repetition_penalty: list[float]  # 1.0 = off
     frequency_penalty: list[float]  # 0.0 = off
     presence_penalty: list[float]  # 0.0 = off
+    dry_multiplier: list[float]  # 0.0 = off
+    dry_base: list[float]
+    dry_allowed_length: list[int]
+    dry_penalty_last_n: list[int]  # -1 = the whole context
+    xtc_probability: list[float]  # 0.0 = off
+    xtc_threshold: list[float]
     generators: list[torch.Generator | None]  # None = default generator
     prompt_ids: list[list[int]]  # used only when a repetition penalty is active
     output_ids: list[list[int]]  # tokens generated so far
@@ -203,6 +171,9 @@ class SamplingBatch:
     num_logprobs: list[int | None]  # None = no logprobs; k >= 0 = chosen + top-k alternatives
     # a constrained row's bitmask of allowed tokens (engine/constraint.py); [] = none constrained
     allowed: list[npt.NDArray[np.int32] | None] = field(default_factory=list)
+    # DRY's sequence breakers: a row's token ids (BreakerTokens); [] = none anywhere
+    dry_breakers: list[frozenset[int]] = field(default_factory=list)
+    seeds: list[int | None] = field(default_factory=list)  # XTC's coins; [] = all unseeded
 
     @classmethod
     def of(cls, params: Sequence[EffectiveParams], **rows: Any) -> SamplingBatch:
@@ -227,7 +198,8 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     device = logits.device
     for column_field in fields(batch):
         values = getattr(batch, column_field.name)
-        if len(values) != rows and not (column_field.name == "allowed" and not values):
+        optional = column_field.name in ("allowed", "dry_breakers", "seeds")
+        if len(values) != rows and not (optional and not values):
             raise ValueError(f"SamplingBatch.{column_field.name} must have {rows} entries")
     if any(batch.banned_ids):
         ban_rows = [i for i, ids in enumerate(batch.banned_ids) for _ in ids]
@@ -263,6 +235,16 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
             column("frequency_penalty"),
             column("presence_penalty"),
         )
+    logits = apply_dry(
+        logits,
+        batch.prompt_ids,
+        batch.output_ids,
+        batch.dry_breakers or [frozenset()] * rows,
+        batch.dry_multiplier,
+        batch.dry_base,
+        batch.dry_allowed_length,
+        batch.dry_penalty_last_n,
+    )
 
     greedy = [t == 0.0 for t in batch.temperature]
     if all(greedy):
@@ -283,6 +265,15 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
             logits, column("top_k", picked), column("top_p", picked), column("min_p", picked)
         )
         probs = torch.softmax(logits, dim=-1)
+        if any(batch.xtc_probability[i] > 0.0 for i in picked):
+            seeds = [batch.seeds[i] if batch.seeds else None for i in picked]
+            coins = xtc_coins(seeds, [len(batch.output_ids[i]) for i in picked])
+            probs = apply_xtc(
+                probs,
+                column("xtc_probability", picked),
+                column("xtc_threshold", picked),
+                torch.tensor(coins, dtype=torch.float32, device=device),
+            )
         token_ids[picked_idx] = sample_from_probs(probs, [batch.generators[i] for i in picked])
 
     logprobs: list[TokenLogprobs | None] = [None] * rows

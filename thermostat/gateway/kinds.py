@@ -12,7 +12,8 @@ vLLM and SGLang take top_k, min_p and repetition_penalty as extra body fields; l
 reads `repeat_penalty` and turns top-k off with 0 (tools/server/README.md of llama.cpp). A
 layered field a kind lacks is refused (400) when the client sent a non-neutral value, and
 otherwise dropped and reported in `sampling.adjusted` (policy `upstream_unsupported`).
-NOT_OPENAI: min_tokens, stop_token_ids, skip_special_tokens.
+NOT_OPENAI: min_tokens, stop_token_ids, skip_special_tokens. DRY and XTC (`dry_*`, `xtc_*`):
+Thermostat's and llama-server's, under the same names; the others lack them.
 
 n + seed: what seed sample j of an `n > 1` seeded request runs on. Thermostat runs it on
 seed + j (sampling/fanout.py) and so does vLLM (v1 `ParentRequest._get_child_sampling_params`):
@@ -52,11 +53,24 @@ class UpstreamKind:
 
 
 NOT_OPENAI = frozenset({"min_tokens", "stop_token_ids", "skip_special_tokens"})
+# llama.cpp's samplers against loops: llama-server reads them under these names; vLLM, SGLang
+# and OpenAI have none of them
+DRY_XTC = frozenset(
+    {
+        "dry_multiplier",
+        "dry_base",
+        "dry_allowed_length",
+        "dry_penalty_last_n",
+        "dry_sequence_breakers",
+        "xtc_probability",
+        "xtc_threshold",
+    }
+)
 
 KINDS: dict[str, UpstreamKind] = {
     "thermostat": UpstreamKind("thermostat", seeds_samples=True),
-    "vllm": UpstreamKind("vllm", seeds_samples=True),
-    "sglang": UpstreamKind("sglang"),
+    "vllm": UpstreamKind("vllm", unsupported=DRY_XTC, seeds_samples=True),
+    "sglang": UpstreamKind("sglang", unsupported=DRY_XTC),
     "llamacpp": UpstreamKind(
         "llamacpp",
         renames={"repetition_penalty": "repeat_penalty"},
@@ -65,6 +79,6 @@ KINDS: dict[str, UpstreamKind] = {
     ),
     "openai": UpstreamKind(
         "openai",
-        unsupported=NOT_OPENAI | {"top_k", "min_p", "repetition_penalty", "ignore_eos"},
+        unsupported=NOT_OPENAI | DRY_XTC | {"top_k", "min_p", "repetition_penalty", "ignore_eos"},
     ),
 }

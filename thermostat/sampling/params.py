@@ -39,12 +39,19 @@ class SamplingParams:
     repetition_penalty: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
     max_tokens: int | None = None
     min_tokens: int | None = None
     n: int | None = None
     seed: int | None = None
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
+    dry_sequence_breakers: list[str] | None = None
     ignore_eos: bool | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -82,11 +89,18 @@ class EffectiveParams:
     repetition_penalty: float
     frequency_penalty: float
     presence_penalty: float
+    dry_multiplier: float
+    dry_base: float
+    dry_allowed_length: int
+    dry_penalty_last_n: int
+    xtc_probability: float
+    xtc_threshold: float
     max_tokens: int | None  # None: the room the prompt leaves in the context, until fitted
     min_tokens: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", '"', "*")
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None

@@ -26,7 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from thermostat.errors import InvalidRequest
-from thermostat.sampling.fields import BUILTIN, LAYERED_FIELDS, SamplingParamError, check_operator
+from thermostat.sampling.fields import (
+    BUILTIN,
+    FIELD,
+    LAYERED_FIELDS,
+    SamplingParamError,
+    check_operator,
+)
 from thermostat.sampling.params import EffectiveParams, SamplingParams, validate_layered
 
 
@@ -167,6 +173,9 @@ def resolve(params: SamplingParams, defaults: SamplingDefaults) -> Resolution:
         seed=params.seed,
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
         stop_token_ids=tuple(params.stop_token_ids or ()),
+        dry_sequence_breakers=FIELD["dry_sequence_breakers"].neutral
+        if params.dry_sequence_breakers is None
+        else tuple(params.dry_sequence_breakers),
         ignore_eos=bool(params.ignore_eos),
         logprobs=params.logprobs,
         prompt_logprobs=params.prompt_logprobs,
