@@ -275,3 +275,36 @@ def test_diagnose_sets_greedy_against_the_best_sampled_level_and_wants_significa
     assert "greedy 19% vs sampled defaults 0%, recommended 28%" in explanation
     assert one_sided_p(6, 32, 0, 32) < 0.05 < one_sided_p(2, 8, 0, 8)
     assert conclude(cells(2, 0, 0, n=8))[0] == "neither"  # 25% vs 0% of 8: could be chance
+
+
+def test_linears_are_quantized_as_their_weights_arrive(tmp_path, monkeypatch):
+    """A quantized load never holds every float weight at once: each linear layer is quantized
+    as soon as its last tensor is read (layer 0's long before the file ends)."""
+    from thermostat.engine import loader
+    from thermostat.models.linear import QuantLinear
+    from thermostat.models.weight_format import LinearsAsLoaded
+
+    path = write_model(tmp_path / "m", num_hidden_layers=4)
+    read: list[str] = []
+    quantized_at: dict[str, int] = {}
+    stream, call = loader.trimmed, LinearsAsLoaded.__call__
+
+    def counted(tensors):
+        for name, tensor in stream(tensors):
+            read.append(name)
+            yield name, tensor
+
+    def recorded(self, module_path: str) -> bool:
+        replaced = call(self, module_path)
+        if replaced:
+            quantized_at[module_path] = len(read)
+        return replaced
+
+    monkeypatch.setattr(loader, "trimmed", counted)
+    monkeypatch.setattr(LinearsAsLoaded, "__call__", recorded)
+    loaded = loader.load_model(path, quantization="int8")
+    first = [p for p in quantized_at if p.startswith("layers.0.")]
+    assert len(first) == 4  # qkv, o, gate_up, down
+    assert max(quantized_at[p] for p in first) <= len(read) // 2
+    linears = [m for m in loaded.model.layers.modules() if isinstance(m, QuantLinear)]
+    assert len(linears) == len(quantized_at) == 16

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import json
 import logging
 import time
@@ -37,6 +38,7 @@ from thermostat.engine.packaged_models import PACKAGED, packaged_model_path
 from thermostat.models.gguf_checkpoint import is_gguf
 from thermostat.models.registry import ArchFacts, CausalLM, model_class
 from thermostat.models.weight_format import (
+    LinearsAsLoaded,
     check_quantization,
     hold_float32,
     quantize_model,
@@ -48,6 +50,17 @@ from thermostat.sampling.generation_config import (
 )
 
 log = logging.getLogger("thermostat.loader")
+
+
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _glibc()
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "demo"
 
@@ -153,6 +166,25 @@ def progress_note(what: str) -> Iterator[None]:
     log.info("%s: done in %.1f s", what, time.perf_counter() - start)
 
 
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing).
+    A load frees as much as it keeps (each tensor's float copy, its quantization's temporaries)
+    between what it keeps; without this the freed holes stay in the process's memory."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def trimmed(
+    tensors: Iterator[tuple[str, torch.Tensor]], every: int = 16
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`tensors`, with `release_freed_memory` every `every` of them (SmolLM2's Q4_1 file: peak
+    RSS during the load 1.43 GB -> 1.07 GB with the quantization as loaded)."""
+    for i, item in enumerate(tensors, 1):
+        yield item
+        if i % every == 0:
+            release_freed_memory()
+
+
 def load_model(
     model: str | Path,
     dtype: str = "auto",
@@ -196,14 +228,16 @@ def load_model(
         net = model_cls(arch, config, torch_dtype, max_positions=limit, ops=ops)
     if fmt is not None and checkpoint.serve_as is not None:
         hold_float32(cast(nn.Module, net))  # the checkpoint's grid, exactly, until quantized
+    stream = LinearsAsLoaded(cast(nn.Module, net), fmt, ops) if fmt and ops else None
     try:
-        net.load_weights(checkpoint.tensors())
+        net.load_weights(trimmed(checkpoint.tensors()), stream)
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
     if fmt is not None:
         try:
             with progress_note(f"quantizing the weights to {fmt}"):
                 quantize_model(cast(nn.Module, net), fmt, ops, torch_dtype)
+                release_freed_memory()
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from exc
     try:

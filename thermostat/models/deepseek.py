@@ -36,7 +36,7 @@ from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import CacheComponent, KVCacheSpec
-from thermostat.models.layers import MLP, DecoderStack, PreNormLayer, StackArch
+from thermostat.models.layers import MLP, DecoderStack, Filled, PreNormLayer, StackArch
 from thermostat.models.mla import MLAArch, MLAttention
 from thermostat.models.moe import MoEArch, SparseMoE, expert_target
 from thermostat.models.next_n import NextNLayer, next_n_name
@@ -198,7 +198,9 @@ class DeepseekModel(DecoderStack[DeepseekArch]):
         latent = CacheComponent("latent", (self.arch.mla.latent_dim,), dtype)
         return KVCacheSpec(self.arch.num_layers + self.arch.num_next_n, block_size, (latent,))
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], filled: Filled | None = None
+    ) -> None:
         """Per-expert or fused experts; gate/up fused at load. Layers past num_hidden_layers
         (multi-token prediction) load into `next_n` when it was built, else are skipped and
         logged."""
@@ -217,7 +219,7 @@ class DeepseekModel(DecoderStack[DeepseekArch]):
                 else:
                     skipped.add(int(layer[1]))
 
-        super().load_weights(main_layers())
+        super().load_weights(main_layers(), filled)
         if skipped:
             log.info("checkpoint: skipped multi-token-prediction layers %s", sorted(skipped))
 

@@ -37,7 +37,7 @@ from thermostat.models.deepseek_v4_names import hf_names
 from thermostat.models.hyper import HyperConnection, HyperHead
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import KVCacheSpec
-from thermostat.models.layers import MLP, DecoderStack, Float32Module, StackArch
+from thermostat.models.layers import MLP, DecoderStack, Filled, Float32Module, StackArch
 from thermostat.models.moe import Experts, MoEArch, Router, expert_target, score
 from thermostat.models.v4_attention import Fp32RMSNorm, Tables, V4Attention, V4AttentionArch
 from thermostat.models.v4_cache import v4_cache_spec
@@ -266,10 +266,12 @@ class DeepseekV4Model(DecoderStack[V4Arch]):
         hidden: torch.Tensor = self.norm(self.hc_head(streams))
         return hidden
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], filled: Filled | None = None
+    ) -> None:
         """DeepSeek's official names, transformers' and save_pretrained's hybrid of the two
         (thermostat.models.deepseek_v4_names); multi-token-prediction layers skipped, logged."""
-        super().load_weights(hf_names(tensors))
+        super().load_weights(hf_names(tensors), filled)
 
     def _target(self, name: str) -> tuple[str, Index]:
         name = name.replace(".indexer.scorer.", ".indexer.")

@@ -79,6 +79,18 @@ def served_types() -> tuple[str, ...]:
     return tuple(served)
 
 
+def dequantized(data: np.ndarray, qtype: GGMLQuantizationType, rows: int = 4096) -> np.ndarray:
+    """gguf's `dequantize` of a tensor's stored rows into one float32 array, `rows` rows at a
+    time (its numpy temporaries stay a few MB for the largest tensor, the embeddings)."""
+    flat = data.reshape(-1, data.shape[-1])
+    first = dequantize(flat[:rows], qtype)
+    out = np.empty((len(flat), first.shape[-1]), dtype=np.float32)
+    out[: len(first)] = first
+    for r in range(rows, len(flat), rows):
+        out[r : r + rows] = dequantize(flat[r : r + rows], qtype)
+    return out.reshape(*data.shape[:-1], first.shape[-1])
+
+
 def is_gguf(path: Path) -> bool:
     return path.suffix == ".gguf" and path.is_file()
 
@@ -177,9 +189,7 @@ class GGUFCheckpoint:
         for tensor in self.reader.tensors:
             if tensor.name == ROPE_FREQS:
                 continue  # in the config's rope parameters (`_fill_config`)
-            values = torch.from_numpy(
-                np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-            )
+            values = torch.from_numpy(dequantized(tensor.data, tensor.tensor_type))
             experts = EXPERTS.fullmatch(tensor.name)
             if experts is not None:
                 prefix = f"model.layers.{experts['layer']}.mlp.experts"

@@ -19,7 +19,7 @@ from thermostat.models.attention import AttentionMetadata
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.linear import PackedEmbedding, PackedLinear, pack_linears
 from thermostat.models.rope import RotaryEmbedding
-from thermostat.models.weights import Index, ParameterFiller
+from thermostat.models.weights import Index, ParameterFiller, empty_parameters
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -185,6 +185,7 @@ class StackArch:
 
 
 A = TypeVar("A", bound=StackArch)
+Filled = Callable[[str], bool]  # a loaded module's path -> whether it was replaced
 
 
 class DecoderStack(nn.Module, Generic[A]):
@@ -216,11 +217,12 @@ class DecoderStack(nn.Module, Generic[A]):
         self._settle(dtype)
 
     def _settle(self, dtype: torch.dtype) -> None:
-        """Every parameter in `dtype` (a Float32Module's in float32), eval mode."""
-        self.to(dtype)
+        """Every parameter an untouched tensor in `dtype` (a Float32Module's in float32): no
+        memory is used before `load_weights` fills them. Eval mode."""
+        empty_parameters(self, lambda _: dtype)
         for m in self.modules():
             if isinstance(m, Float32Module):
-                m.float()
+                empty_parameters(m, lambda _: torch.float32)
         self.eval()
 
     def _layer(self, i: int) -> nn.Module:
@@ -250,10 +252,14 @@ class DecoderStack(nn.Module, Generic[A]):
         logits: torch.Tensor = self.lm_head(hidden)
         return logits.float()
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], filled: Filled | None = None
+    ) -> None:
         """Hugging Face names (a `model.` prefix dropped, rotary tables and a tied LM head's copy
         skipped) into the parameters `_target` names, then `_finish_loading` and the linears
-        packed. Raises ValueError naming any missing, unexpected or misshapen parameter."""
+        packed. Raises ValueError naming any missing, unexpected or misshapen parameter.
+        `filled(path)` is called with each module whose parameters are all loaded, as soon as
+        they are; it returns whether it replaced the module (which this then lets go of)."""
         filler = ParameterFiller(self)
         for hf_name, tensor in tensors:
             name = hf_name.removeprefix("model.")
@@ -261,6 +267,9 @@ class DecoderStack(nn.Module, Generic[A]):
                 continue  # tied: some checkpoints store the copy anyway
             param, index = self._target(name)
             filler.copy(param, tensor, index, hf_name)
+            owner = param.rpartition(".")[0]
+            if filled is not None and filler.owner_complete(owner) and filled(owner):
+                filler.release(owner)
         filler.check_complete()
         self._finish_loading()
         pack_linears(self, self.ops)

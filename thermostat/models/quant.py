@@ -259,15 +259,24 @@ def quantize(weight: torch.Tensor, fmt: str, ops: LinearOps | None = None) -> Qu
     """A float weight [N, K] in `fmt` ('int8' or 'int4'); K is padded with zeros to whole blocks.
     `ops`: the kernels, which find the grids faster (`grid_step`)."""
     n, k = weight.shape
-    padded = torch.zeros(n, (k + BLOCK - 1) // BLOCK * BLOCK, dtype=torch.float32)
-    padded[:, :k] = weight.float()
+    parts = [_quantize_rows(weight[r : r + ROWS], fmt, ops) for r in range(0, n, ROWS)]
+    q, d = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     if FORMATS[fmt] == 8:
-        q8, d = quantize_int8(padded, ops)
-        packed = QuantizedWeight.pack(q8[:, :k], d)
-    else:
-        q4, d, z = quantize_int4(padded, ops)
-        packed = QuantizedWeight.pack(q4[:, :k], d, z)
-    return packed
+        return QuantizedWeight.pack(q[:, :k], d)
+    return QuantizedWeight.pack(q[:, :k], d, torch.cat([p[2] for p in parts]))
+
+
+ROWS = 4096  # rows quantized at a time: float32 temporaries of a few MB, not of the whole weight
+
+
+def _quantize_rows(rows: torch.Tensor, fmt: str, ops: LinearOps | None) -> tuple[torch.Tensor, ...]:
+    """(q, d) or (q, d, z) of some rows of a weight, K padded with zeros to whole blocks."""
+    n, k = rows.shape
+    padded = torch.zeros(n, (k + BLOCK - 1) // BLOCK * BLOCK, dtype=torch.float32)
+    padded[:, :k] = rows.float()
+    if FORMATS[fmt] == 8:
+        return quantize_int8(padded, ops)
+    return quantize_int4(padded, ops)
 
 
 def quantize_activations(x: torch.Tensor, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ layers choosing their ops as thermostat.kernels lists), plus one line per archit
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -86,9 +86,14 @@ class CausalLM(Protocol):
         """What one cache block holds for this model, stored in `dtype`."""
         ...
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self,
+        tensors: Iterable[tuple[str, torch.Tensor]],
+        filled: Callable[[str], bool] | None = None,
+    ) -> None:
         """Hugging Face parameter names and tensors; ValueError naming a missing, unexpected or
-        misshapen parameter."""
+        misshapen parameter. `filled(path)`: called with each module loaded whole, as soon as
+        it is (True: it replaced the module)."""
         ...
 
     def __call__(

@@ -15,8 +15,9 @@ Norms, rotary tables, biases, MoE routers and other float32 parts stay as they a
 `quantize_model` runs once after the float weights are loaded (`load_model(quantization=...)`);
 `weight_bytes` is what the startup report and /server_info give. A checkpoint that is already
 integer-quantized (GPTQ, AWQ, compressed-tensors, GGUF) is loaded with `hold_float32` first: its
-dequantized weights then reach `quantize_model` on their exact grid (bfloat16 would round them
-off it), at the cost of holding those weights in float32 until they are quantized.
+dequantized weights then reach the quantizer on their exact grid (bfloat16 would round them
+off it). Each linear layer is quantized as soon as its weights are loaded (`LinearsAsLoaded`),
+so the float32 copies are never all held at once; `quantize_model` does the rest.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from thermostat.models.linear import (
 )
 from thermostat.models.moe import Experts
 from thermostat.models.quant import FORMATS, quantize
+from thermostat.models.weights import empty_parameters
 
 
 def check_quantization(name: str | None) -> None:
@@ -45,10 +47,37 @@ def check_quantization(name: str | None) -> None:
 
 def hold_float32(model: nn.Module) -> None:
     """The weights `quantize_model` quantizes (linear layers, MoE experts, embeddings, LM head) in
-    float32 until it does. Call after building the model, before loading its weights."""
-    for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Embedding, Experts)):
-            module.float()
+    float32 until it does. Call after building the model, before loading its weights: each is
+    a new, untouched float32 tensor (`weights.empty_parameters`)."""
+    held = (nn.Linear, nn.Embedding, Experts)
+    empty_parameters(model, lambda m: torch.float32 if isinstance(m, held) else None)
+
+
+class LinearsAsLoaded:
+    """`load_weights`' `filled` callback that quantizes each linear layer as soon as its weights
+    are loaded, so that a quantized model never holds all its float weights at once (float32
+    for a pre-quantized checkpoint: 4 bytes per weight). Left for `quantize_model`: the LM head
+    and embeddings (int8 whatever `fmt` is), MoE experts, float32 modules and the modules of a
+    layer that rewrites its weights once all are loaded (`finish_loading`: DeepSeek's MLA)."""
+
+    def __init__(self, model: nn.Module, fmt: str, ops: LinearOps) -> None:
+        self.model, self.fmt, self.ops = model, fmt, ops
+        self.skip = {"lm_head"}
+        for path, module in model.named_modules():
+            if isinstance(module, Float32Module) or hasattr(module, "finish_loading"):
+                self.skip |= {f"{path}.{p}" if p else path for p, _ in module.named_modules()}
+
+    def __call__(self, path: str) -> bool:
+        if path in self.skip:
+            return False
+        module = self.model.get_submodule(path)
+        if not isinstance(module, nn.Linear):
+            return False
+        parent, _, name = path.rpartition(".")
+        setattr(
+            self.model.get_submodule(parent), name, quantized_linear(module, self.fmt, self.ops)
+        )
+        return True
 
 
 def quantize_model(

@@ -7,6 +7,8 @@ never stores one element twice, so that is the completeness check for fused para
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -19,6 +21,7 @@ class ParameterFiller:
 
     def __init__(self, module: nn.Module) -> None:
         self.params = dict(module.named_parameters())
+        self.sizes = {n: p.numel() for n, p in self.params.items()}
         self.filled = dict.fromkeys(self.params, 0)
 
     def copy(self, name: str, tensor: torch.Tensor, index: Index = (), hf_name: str = "") -> None:
@@ -37,7 +40,38 @@ class ParameterFiller:
         target.copy_(tensor)
         self.filled[name] += tensor.numel()
 
+    def owner_complete(self, owner: str) -> bool:
+        """Whether every parameter of module `owner` (its own, not its children's) is loaded."""
+        own = [n for n in self.params if n.rpartition(".")[0] == owner]
+        return bool(own) and all(self.filled[n] == self.sizes[n] for n in own)
+
+    def release(self, owner: str) -> None:
+        """Forget module `owner`'s parameters (complete: the module was replaced, e.g.
+        quantized), so that this filler holds no reference to them."""
+        for name in [n for n in self.params if n.rpartition(".")[0] == owner]:
+            del self.params[name]
+
     def check_complete(self) -> None:
-        missing = sorted(n for n, p in self.params.items() if self.filled[n] < p.numel())
+        missing = sorted(n for n, size in self.sizes.items() if self.filled[n] < size)
         if missing:
             raise ValueError(f"checkpoint: missing parameters {missing[:5]}")
+
+
+def empty_parameters(model: nn.Module, dtype_of: Callable[[nn.Module], torch.dtype | None]) -> None:
+    """Each floating-point parameter of each module for which `dtype_of` gives a dtype (integer
+    ones stay as they are, as `Module.to` leaves them) replaced by a new,
+    uninitialised tensor of its shape in that dtype (one for a parameter two modules share):
+    before the load fills every parameter (a parameter left unfilled is an error), converting
+    the old values would only write memory the load writes again."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        dtype = dtype_of(module)
+        if dtype is None:
+            continue
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not param.is_floating_point():
+                continue
+            if id(param) not in made:
+                empty = torch.empty(param.shape, dtype=dtype)
+                made[id(param)] = nn.Parameter(empty, requires_grad=param.requires_grad)
+            setattr(module, name, made[id(param)])
