@@ -14,6 +14,7 @@ from transformers import (
     DeepseekV2Config,
     DeepseekV3Config,
     DeepseekV4Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -52,6 +53,16 @@ CONFIGS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
     "mistral": (MistralConfig, {"sliding_window": None}),
     "qwen2": (Qwen2Config, {}),
     "qwen3": (Qwen3Config, {"head_dim": 16}),
+    "gemma3": (  # one local layer of a 4-token window, one global; their own rotary bases
+        Gemma3TextConfig,
+        {
+            "head_dim": 16,
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 16,
+            "final_logit_softcapping": 30.0,
+        },
+    ),
 }
 
 # Mixture-of-experts families (tests/test_deepseek.py runs them against transformers).
@@ -257,6 +268,11 @@ def write_model(
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if kind in V4_CONFIGS:
         _randomise_constants(model, config)
+    if kind == "gemma3":  # its norms start at 0 (a scale of 1 + 0): every one made to count
+        with torch.no_grad():
+            for name, tensor in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    tensor.normal_(0.0, 0.3)
     model = model.to(dtype)
     with torch.no_grad():
         for name, buffer in model.named_buffers():

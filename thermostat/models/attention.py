@@ -13,7 +13,7 @@ Token order in a step's flat batch (T tokens):
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +47,26 @@ class AttentionMetadata:
     # then prefill segments, as above; PLACEHOLDER (-1) where blocks were released).
     window_slot_mappings: tuple[torch.Tensor, ...] = ()
     window_block_tables: tuple[torch.Tensor, ...] = ()
+
+
+def windowed(meta: AttentionMetadata, window: int) -> AttentionMetadata:
+    """`meta` for a layer whose queries attend only to the last `window` positions (their own
+    included) while the model's other layers see the whole context (Gemma 3's local layers): the
+    decode rows' window for the kernel and their mask, each prefill segment's mask."""
+    ctx_pos = torch.arange(meta.decode_mask.shape[-1])
+    lens = meta.decode_context_lens
+    recent = (ctx_pos[None, :] > lens[:, None] - 1 - window)[:, None, None, :]
+    prefills = []
+    for seg in meta.prefills:
+        start = seg.ctx_len - seg.q_len
+        q_pos = torch.arange(start, seg.ctx_len)[:, None]
+        kv_pos = torch.arange(seg.ctx_len)[None, :]
+        mask = (kv_pos <= q_pos) & (kv_pos > q_pos - window)
+        plain = start == 0 and window >= seg.q_len  # causal alone already keeps the window
+        prefills.append(replace(seg, mask=seg.mask if plain else mask))
+    return replace(
+        meta, sliding_window=window, decode_mask=meta.decode_mask & recent, prefills=prefills
+    )
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ from thermostat.models.gguf_reading import cached_config, cached_tokenizer, read
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 INT4_EXACT = ("Q4_0",)  # the GGML types whose weights lie on int4's grid (w = d (q - z))
 EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)_exps\.weight")
+NORMS_PLUS_ONE = ("gemma2", "gemma3")  # files whose norm weights hold 1 + w (transformers': w)
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's llama3 rope: a divisor per frequency
 
 
@@ -201,6 +202,8 @@ class GGUFCheckpoint:
             kind = tensor.name.split(".")[-2] if tensor.name.startswith("blk.") else ""
             if self.architecture == "llama" and kind in heads:
                 values = unpermute_rows(values, heads[kind])
+            if self.architecture in NORMS_PLUS_ONE and tensor.name.endswith("norm.weight"):
+                values = values - 1.0  # llama.cpp's converter stored Gemma's norms as 1 + w
             yield names[tensor.name], values
 
     def _hf_names(self) -> dict[str, str]:

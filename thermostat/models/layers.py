@@ -77,18 +77,30 @@ def clamped_silu_mul(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] (gate first) -> gelu(gate, tanh approximation) * up [..., I] (Gemma's)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def gated_activation(
-    intermediate: int, limit: float | None, ops: CpuOps | None
+    intermediate: int, limit: float | None, ops: CpuOps | None, act: str = "silu"
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The SiLU-gated product of an MLP of `intermediate` size: clamped at `limit` when given,
-    else the compiled kernel where it applies (the table in thermostat.kernels)."""
+    """The gated product of an MLP of `intermediate` size: SiLU's (clamped at `limit` when
+    given, else the compiled kernel where it applies: the table in thermostat.kernels), or
+    GELU's tanh approximation (`act` "gelu_pytorch_tanh", PyTorch's)."""
+    if act == "gelu_pytorch_tanh":
+        return gelu_tanh_mul
+    if act != "silu":
+        raise ValueError(f"config.json: hidden activation {act!r} is not supported")
     if limit is not None:
         return functools.partial(clamped_silu_mul, limit=limit)
     return ops.silu_mul if ops is not None and intermediate % 16 == 0 else silu_mul
 
 
 class MLP(nn.Module):
-    """SiLU-gated MLP, gate and up fused into one projection (gate rows first)."""
+    """Gated MLP (SiLU, or Gemma's GELU), gate and up fused into one projection (gate rows
+    first)."""
 
     def __init__(
         self,
@@ -97,12 +109,13 @@ class MLP(nn.Module):
         bias: bool,
         ops: CpuOps | None,
         limit: float | None = None,
+        act: str = "silu",
     ):
         super().__init__()
         self.intermediate = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self._act = gated_activation(intermediate_size, limit, ops)
+        self._act = gated_activation(intermediate_size, limit, ops, act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.down_proj(self._act(self.gate_up_proj(x)))

@@ -21,7 +21,7 @@ from thermostat.models.kv_spec import KVCacheSpec
 from thermostat.models.layers import MLP, DecoderStack, PreNormLayer, RMSNorm, StackArch
 from thermostat.models.moe import MoEArch, SparseMoE, expert_target
 from thermostat.models.rope import apply_rotary
-from thermostat.models.weights import Index
+from thermostat.models.weights import Index, fused_target
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -189,15 +189,5 @@ class LlamaFamilyModel(DecoderStack[ModelArch]):
         name = name.replace(".block_sparse_moe.", ".mlp.")
         if a.moe is not None and (expert := expert_target(name, a.moe.intermediate_size)):
             return expert
-        q, kv, i = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
-        fused = {  # checkpoint projection -> (fused parameter, its rows there)
-            "q_proj": ("qkv_proj", slice(0, q)),
-            "k_proj": ("qkv_proj", slice(q, q + kv)),
-            "v_proj": ("qkv_proj", slice(q + kv, q + 2 * kv)),
-            "gate_proj": ("gate_up_proj", slice(0, i)),
-            "up_proj": ("gate_up_proj", slice(i, 2 * i)),
-        }
-        for src, (dst, rows) in fused.items():
-            if f".{src}." in name:
-                return name.replace(f".{src}.", f".{dst}."), (rows,)
-        return name, ()
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        return fused_target(name, q, kv, a.intermediate_size)

@@ -18,6 +18,7 @@ from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata
 from thermostat.models.deepseek import DeepseekModel
 from thermostat.models.deepseek_v4 import DeepseekV4Model
+from thermostat.models.gemma3 import Gemma3Model
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import KVCacheSpec
 from thermostat.models.llama import LlamaFamilyModel
@@ -113,6 +114,7 @@ class CausalLM(Protocol):
 
 
 ARCHITECTURES: dict[str, type[CausalLM]] = {
+    "Gemma3ForCausalLM": Gemma3Model,
     "DeepseekV2ForCausalLM": DeepseekModel,
     "DeepseekV3ForCausalLM": DeepseekModel,
     "DeepseekV4ForCausalLM": DeepseekV4Model,

@@ -15,6 +15,23 @@ from torch import nn
 Index = tuple[int | slice, ...]  # where a checkpoint tensor goes in its parameter; () = all
 
 
+def fused_target(name: str, q_rows: int, kv_rows: int, intermediate: int) -> tuple[str, Index]:
+    """A checkpoint name -> (parameter name, rows): q/k/v fused into `qkv_proj` (q's rows, then
+    k's, then v's), gate/up into `gate_up_proj`; any other name is its own parameter."""
+    q, kv, i = q_rows, kv_rows, intermediate
+    fused = {  # checkpoint projection -> (fused parameter, its rows there)
+        "q_proj": ("qkv_proj", slice(0, q)),
+        "k_proj": ("qkv_proj", slice(q, q + kv)),
+        "v_proj": ("qkv_proj", slice(q + kv, q + 2 * kv)),
+        "gate_proj": ("gate_up_proj", slice(0, i)),
+        "up_proj": ("gate_up_proj", slice(i, 2 * i)),
+    }
+    for src, (dst, rows) in fused.items():
+        if f".{src}." in name:
+            return name.replace(f".{src}.", f".{dst}."), (rows,)
+    return name, ()
+
+
 class ParameterFiller:
     """Copies into `module`'s parameters by name; ValueError naming an unexpected or misshapen
     tensor, and (`check_complete`) any parameter left short."""

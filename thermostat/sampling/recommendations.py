@@ -6,11 +6,11 @@ operator opts in (`--sampling-defaults recommended`).
 
 A family is told by what identifies it, most specific first:
 
-| evidence                                                   | family           |
-|------------------------------------------------------------|------------------|
-| `thermostat_family` (Thermostat's own models)              | as it says       |
-| the model's name (`_name_or_path`, a GGUF's `general.name`)| smollm2 (1)      |
-| `model_type`                                               | deepseek, qwen3, qwen2, llama |
+| evidence                                                   | family                       |
+|------------------------------------------------------------|------------------------------|
+| `thermostat_family` (Thermostat's own models)              | as it says                   |
+| the model's name (`_name_or_path`, a GGUF's `general.name`)| smollm2 (1)                  |
+| `model_type`                                               | deepseek, qwen*, gemma3, llama |
 
 (1) SmolLM2 is a Llama architecture (`model_type: llama`) with values of its own.
 """
@@ -45,6 +45,10 @@ RECOMMENDATIONS: dict[str, Recommendation] = {
     # Llama-3.x-Instruct generation_config.json as published by Meta.
     "llama": Recommendation("llama", {"temperature": 0.6, "top_p": 0.9},
                             "Llama-3.x-Instruct generation_config.json"),
+    # Gemma 3 instruction-tuned generation_config.json as published by Google (gemma-3-1b-it):
+    # top_k 64, top_p 0.95, at temperature 1.
+    "gemma3": Recommendation("gemma3", {"temperature": 1.0, "top_p": 0.95, "top_k": 64},
+                             "Gemma 3 instruction-tuned generation_config.json (Google)"),
     # SmolLM2-Instruct model cards (HuggingFaceTB), "How to use": generate(..., temperature=0.2,
     # top_p=0.9, do_sample=True).
     "smollm2": Recommendation("smollm2", {"temperature": 0.2, "top_p": 0.9},
@@ -72,6 +76,8 @@ def detect_family(config: dict[str, Any]) -> str | None:
         return "qwen3"
     if model_type.startswith("qwen2"):
         return "qwen2"
+    if model_type.startswith("gemma3"):
+        return "gemma3"
     if model_type == "llama":
         return "llama"
     return None

@@ -1,0 +1,222 @@
+"""Gemma 3's text decoder (Gemma3ForCausalLM: 270M, 1B; the text tower of the larger ones) over
+the paged KV cache.
+
+What sets it apart from the Llama family (transformers' modeling_gemma3 is the reference):
+
+| part        | Gemma 3                                                                       |
+|-------------|-------------------------------------------------------------------------------|
+| attention   | local layers attend to the last `sliding_window` positions, global layers to  |
+|             | all (`layer_types`); each kind has its own rotary base (`rope_parameters`)    |
+| scores      | scaled by `query_pre_attn_scalar ** -0.5`; q and k RMS-normed per head        |
+| norms       | x * (1 + w), four per layer: around the attention and around the MLP          |
+| embeddings  | multiplied by sqrt(hidden_size), rounded to the model dtype                   |
+| MLP         | GELU (tanh approximation) gated                                               |
+| logits      | tanh-capped at `final_logit_softcapping` when the config sets it              |
+
+The norms hold 1 + w once loaded (`_finish_loading`), so they run as every RMSNorm does. Every
+layer keeps its whole context in the cache; a local layer's queries are masked to their window
+(attention.windowed), in the decode kernel as in prefill.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from thermostat.kernels import CpuOps
+from thermostat.models.attention import AttentionMetadata, paged_attention, windowed
+from thermostat.models.kv_cache import PagedKVCache
+from thermostat.models.kv_spec import KVCacheSpec
+from thermostat.models.layers import MLP, DecoderStack, RMSNorm, StackArch
+from thermostat.models.rope import RotaryEmbedding, apply_rotary
+from thermostat.models.weights import Index, fused_target
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+@dataclass(frozen=True)
+class Gemma3Arch(StackArch):
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    window: int  # a local layer's, in tokens (its own position included)
+    local_layers: tuple[int, ...]
+    query_scale: float
+    activation: str
+    final_softcap: float | None
+    sliding_window: None = None  # the model's: global layers see everything (ArchFacts)
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.head_dim
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig, arch: str) -> Gemma3Arch:
+        if getattr(config, "attn_logit_softcapping", None):
+            raise ValueError("config.json: attn_logit_softcapping is not supported")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError("config.json: use_bidirectional_attention is not supported")
+        kinds = list(config.layer_types)
+        return cls(
+            **cls.common_fields(config, arch),
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            window=config.sliding_window,
+            local_layers=tuple(i for i, k in enumerate(kinds) if k == "sliding_attention"),
+            query_scale=config.query_pre_attn_scalar**-0.5,
+            activation=config.hidden_activation,
+            final_softcap=getattr(config, "final_logit_softcapping", None),
+        )
+
+
+def rotary_of(
+    config: PretrainedConfig, kind: str, head_dim: int, max_positions: int, dtype: torch.dtype
+) -> RotaryEmbedding:
+    """The rotary tables of one layer kind ("sliding_attention" or "full_attention")."""
+    own = copy.copy(config)
+    own.rope_parameters = dict(config.rope_parameters[kind])
+    return RotaryEmbedding(own, head_dim, max_positions, dtype)
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, arch: Gemma3Arch, layer: int) -> None:
+        super().__init__()
+        self.layer, self.local = layer, layer in arch.local_layers
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+        )
+        self.q_size, self.kv_size = (
+            arch.num_heads * arch.head_dim,
+            arch.num_kv_heads * arch.head_dim,
+        )
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, None)  # sees [T, H, D]
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, None)
+        self.scale = arch.query_scale
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
+        k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, -1, self.head_dim))
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = paged_attention(q, k, v, self.layer, cache, meta, self.scale)
+        y: torch.Tensor = self.o_proj(o.reshape(t, self.q_size))
+        return y
+
+
+class Gemma3Layer(nn.Module):
+    """norm, attention, norm, add; norm, MLP, norm; the residual stream as PreNormLayer keeps it
+    (each add fused with the norm that follows it)."""
+
+    def __init__(self, arch: Gemma3Arch, layer: int, ops: CpuOps | None) -> None:
+        super().__init__()
+        size, eps = arch.hidden_size, arch.rms_norm_eps
+        self.input_layernorm = RMSNorm(size, eps, ops)
+        self.self_attn = Gemma3Attention(arch, layer)
+        self.post_attention_layernorm = RMSNorm(size, eps, ops)
+        self.pre_feedforward_layernorm = RMSNorm(size, eps, ops)
+        self.mlp = MLP(size, arch.intermediate_size, False, ops, act=arch.activation)
+        self.post_feedforward_layernorm = RMSNorm(size, eps, ops)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm.add_forward(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(h, cos, sin, meta, cache))
+        h = self.pre_feedforward_layernorm.add_forward(h, residual)
+        y: torch.Tensor = self.post_feedforward_layernorm(self.mlp(h))
+        return y, residual
+
+
+class Gemma3Model(DecoderStack[Gemma3Arch]):
+    """A thermostat.models.registry.CausalLM for Gemma3ForCausalLM checkpoints."""
+
+    def __init__(
+        self,
+        arch: Gemma3Arch,
+        config: PretrainedConfig,
+        dtype: torch.dtype,
+        max_positions: int,
+        ops: CpuOps | None = None,
+    ) -> None:
+        super().__init__(arch, config, dtype, max_positions, ops)
+        self.rotary = rotary_of(config, "full_attention", arch.head_dim, max_positions, dtype)
+        self.local_rotary = rotary_of(
+            config, "sliding_attention", arch.head_dim, max_positions, dtype
+        )
+        self.embed_scale = torch.tensor(arch.hidden_size**0.5, dtype=dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:
+        tables = {False: self.rotary.tables(positions), True: self.local_rotary.tables(positions)}
+        metas = {False: meta, True: windowed(meta, self.arch.window)}
+        x: torch.Tensor = self.embed_tokens(input_ids) * self.embed_scale
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            local = i in self.arch.local_layers
+            x, residual = layer(x, residual, *tables[local], metas[local], cache)
+        assert residual is not None
+        return self.norm.add_forward(x, residual)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        cap = self.arch.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _layer(self, i: int) -> nn.Module:
+        return Gemma3Layer(self.arch, i, self.ops)
+
+    @classmethod
+    def arch_from_config(cls, config: PretrainedConfig, architecture: str) -> Gemma3Arch:
+        return Gemma3Arch.from_config(config, architecture)
+
+    def cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        a = self.arch
+        return KVCacheSpec.key_value(a.num_layers, a.num_kv_heads, a.head_dim, block_size, dtype)
+
+    def _finish_loading(self) -> None:
+        """Gemma's norms scale by 1 + w: stored so, they run as any RMSNorm."""
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, RMSNorm):
+                    m.weight.add_(1.0)
+
+    def _target(self, name: str) -> tuple[str, Index]:
+        """q/k/v fused into qkv_proj, gate/up into gate_up_proj."""
+        a = self.arch
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        return fused_target(name, q, kv, a.intermediate_size)
