@@ -140,7 +140,7 @@ def write_gguf(src: Path, out: Path, qtype: Q, arch: str = "llama") -> dict[str,
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(config["vocab_size"])
-    writer.add_file_type({Q.Q8_0: 7, Q.Q4_0: 2}[qtype])
+    writer.add_file_type({Q.Q8_0: 7, Q.Q4_0: 2, Q.Q4_1: 3}[qtype])
     experts = config.get("num_experts", config.get("num_local_experts"))
     if experts:
         writer.add_expert_count(experts)
@@ -334,6 +334,28 @@ def test_q4_0_is_served_in_int4_on_the_files_grid(q8_0, tmp_path):
     assert torch.equal(
         block.mlp.down_proj.weight.dequantize(), dequantized["model.layers.1.mlp.down_proj.weight"]
     )
+
+
+def test_q4_1_is_served_in_int4_with_the_files_scales_and_minimums(q8_0, tmp_path):
+    """Q4_1 (w = d q + m): int4's minimum form holds the file's d, m and q; the kernel adds
+    m s sum(xq) per block as llama.cpp's Q4_1 x Q8_1 product does."""
+    _, _, src = q8_0
+    path = tmp_path / "tiny-q4_1.gguf"
+    dequantized = write_gguf(src, path, Q.Q4_1)
+    loaded = load_model(path, dtype="float32")
+    assert (loaded.weight_format, loaded.weight_source) == ("int4", "gguf Q4_1")
+    block = loaded.model.layers[1]
+    down = block.mlp.down_proj.weight
+    assert down.bits == 5 and down.minimums() is not None
+    assert torch.equal(down.dequantize(), dequantized["model.layers.1.mlp.down_proj.weight"])
+    qkv = torch.cat([dequantized[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(block.self_attn.qkv_proj.weight.dequantize(), qkv)
+    raw = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.ffn_down.weight")
+    blocks = np.ascontiguousarray(raw.data).reshape(raw.data.shape[0], -1, 20)
+    d_file = torch.from_numpy(blocks[:, :, 0:2].copy().view(np.float16)[..., 0])
+    m_file = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16)[..., 0])
+    _, d, _ = down.unpack()
+    assert torch.equal(d, d_file) and torch.equal(down.minimums(), m_file)
 
 
 def test_llama3_rope_factors_from_rope_freqs(tmp_path):

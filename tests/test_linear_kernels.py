@@ -13,9 +13,25 @@ import torch.nn.functional as F
 
 from thermostat import kernels
 from thermostat.kernels.build import AVX2, FULL
-from thermostat.models.quant import quantize, reference_linear
+from thermostat.models.quant import (
+    QuantizedWeight,
+    quantize,
+    quantize_int4_min,
+    reference_linear,
+)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+INT_FORMATS = ["int8", "int4", "int4-min"]
+
+
+def quantized(w: torch.Tensor, fmt: str) -> QuantizedWeight:
+    """`quantize(w, fmt)`; "int4-min": int4's minimum form (`bits` 5, a Q4_1 file's blocks)."""
+    if fmt != "int4-min":
+        return quantize(w, fmt)
+    k = w.shape[1]
+    q, d, z, m = quantize_int4_min(F.pad(w.float(), (0, -k % 32)))
+    return QuantizedWeight.pack(q[:, :k], d, z, m)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17, 70])
@@ -61,7 +77,7 @@ def test_linear_vnni_refuses_bad_input(ops):
         ops.linear_vnni(torch.randn(1, 64).bfloat16(), torch.randn(8, 64).bfloat16(), 8, None)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", INT_FORMATS)
 @pytest.mark.parametrize(
     "dtype,rows,k,n",
     [
@@ -76,7 +92,7 @@ def test_linear_quant_matches_its_reference(ops, fmt, dtype, rows, k, n):
     multiply-adds' last bits and the output dtype's rounding) for every row count."""
     g = torch.Generator().manual_seed(rows + k + n)
     w = torch.randn(n, k, generator=g) * 0.05
-    qw = quantize(w, fmt)
+    qw = quantized(w, fmt)
     x = torch.randn(rows, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g)
     want = reference_linear(x.float(), qw, b)
@@ -89,10 +105,10 @@ def test_linear_quant_matches_its_reference(ops, fmt, dtype, rows, k, n):
     assert error < (0.015 if fmt == "int8" else 0.1), error
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", INT_FORMATS)
 def test_linear_quant_is_batch_invariant(ops, fmt):
     g = torch.Generator().manual_seed(4)
-    qw = quantize(torch.randn(200, 576, generator=g) * 0.05, fmt)
+    qw = quantized(torch.randn(200, 576, generator=g) * 0.05, fmt)
     b = torch.randn(200, generator=g)
     batch_invariant(lambda x: ops.linear_quant(x, qw, b),
                     torch.randn(70, 576, generator=g).bfloat16())  # fmt: skip
@@ -107,16 +123,18 @@ def test_linear_quant_refuses_bad_input(ops):
     q4 = quantize(torch.randn(8, 64), "int4")
     with pytest.raises(ValueError, match="packed int8"):
         ops.linear_quant(torch.randn(1, 64), replace(q4, bits=8), None)
-    with pytest.raises(ValueError, match="bits must be 8 or 4"):
+    with pytest.raises(ValueError, match="packed int5"):
         ops.linear_quant(torch.randn(1, 64), replace(q4, bits=5), None)
+    with pytest.raises(ValueError, match="bits must be 8, 4 or 5"):
+        ops.linear_quant(torch.randn(1, 64), replace(q4, bits=6), None)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", INT_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k", [(7, 33), (130, 100), (300, 576)])
 def test_quant_rows_are_the_reference_rows(ops, fmt, dtype, n, k):
     """The embedding lookup of a quantized table gives QuantizedWeight.rows' values exactly."""
-    qw = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(n)), fmt)
+    qw = quantized(torch.randn(n, k, generator=torch.Generator().manual_seed(n)), fmt)
     ids = torch.tensor([0, n - 1, n // 2, 0, 3 % n])
     got = ops.quant_rows(qw, ids, dtype)
     assert got.dtype == dtype and torch.equal(got, qw.rows(ids, dtype))
@@ -133,7 +151,7 @@ def test_quant_rows_refuses_bad_ids(ops):
         ops.quant_rows(qw, torch.tensor([1], dtype=torch.int32), torch.bfloat16)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", INT_FORMATS)
 def test_both_builds_give_int_weights_the_same_bits(fmt):
     """The integer sums are exact and the float step per block is the same fused multiply-add on
     either build, so an AVX2 server and an AVX-512 one agree bit for bit (AVX-512 machines run
@@ -142,7 +160,7 @@ def test_both_builds_give_int_weights_the_same_bits(fmt):
     if full is None or avx2 is None:
         pytest.skip(f"needs both builds ({kernels.status()})")
     g = torch.Generator().manual_seed(9)
-    qw = quantize(torch.randn(200, 1000, generator=g) * 0.05, fmt)
+    qw = quantized(torch.randn(200, 1000, generator=g) * 0.05, fmt)
     b = torch.randn(200, generator=g)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x = torch.randn(9, 1000, generator=g).to(dtype)

@@ -600,7 +600,12 @@ inline void add_half(const QuantizedActivations& a, const uint8_t* rec, int64_t 
   float* at = sums + m * 64 + lane;
   const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(a.s[j]));
   const __m256i fixed = _mm256_sub_epi32(acc, _mm256_mullo_epi32(z, _mm256_set1_epi32(a.sum[j])));
-  _mm256_storeu_ps(at, _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(fixed), _mm256_loadu_ps(at)));
+  __m256 added = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(fixed), _mm256_loadu_ps(at));
+  if constexpr (BITS == 5) {  // m s sum(xq)
+    const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 192 + 2 * lane)));
+    added = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.s[j] * static_cast<float>(a.sum[j])), added);
+  }
+  _mm256_storeu_ps(at, added);
 }
 
 // Rows [m0, m0 + R) x column block c (16 outputs) of one record (K block kb), a half (8 outputs)
@@ -609,7 +614,7 @@ inline void add_half(const QuantizedActivations& a, const uint8_t* rec, int64_t 
 template <int BITS, int R>
 inline void quant_block(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
                         int64_t m0, int c, const int32_t* xt, float* sums) {
-  constexpr int64_t header = BITS == 8 ? 128 : 192;
+  constexpr int64_t header = quant_layout(BITS).header;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int h = 0; h < 2; ++h) {
     __m256i acc[R];
@@ -642,7 +647,7 @@ inline void quant_block(const QuantizedActivations& a, const uint8_t* rec, int64
 template <int BITS, int C>
 inline void quant_row(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
                       int64_t m, int c0, float* sums) {
-  constexpr int64_t header = BITS == 8 ? 128 : 192;
+  constexpr int64_t header = quant_layout(BITS).header;
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* xr = a.q.data() + m * KB * 32 + kb * 32;
   __m256i acc[C][2];
@@ -684,7 +689,7 @@ template <int BITS, typename T>
 void quant_group(const QuantizedActivations& a, int64_t M, const uint8_t* W, int64_t KB,
                  const float* bias, T* y, int64_t N, int64_t g, int c0, int C,
                  std::vector<float>& sums) {
-  constexpr int64_t record = BITS == 8 ? 128 + 2048 : 192 + 1024;
+  constexpr int64_t record = quant_layout(BITS).record;
   sums.assign(M * 64, 0.0f);
   float* sp = sums.data();
   for (int64_t kb = 0; kb < KB; ++kb) {
@@ -767,6 +772,7 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t N, int
   auto y = torch::empty({x.size(0), N}, x.options());
   return THERMOSTAT_DISPATCH_FLOAT(x.scalar_type(), "linear_quant", [&] {
     if (bits == 8) linear_quant_impl<8, scalar_t>(x, packed, bp, y, N);
+    else if (bits == 5) linear_quant_impl<5, scalar_t>(x, packed, bp, y, N);
     else linear_quant_impl<4, scalar_t>(x, packed, bp, y, N);
     return y;
   });

@@ -112,12 +112,18 @@ void check_vnni_packed(const torch::Tensor& packed) {
 }
 
 struct QuantLayout {
-  int64_t header, record;  // bytes of d (+ z) and of a whole record
+  int64_t header, record;  // bytes of d (+ z, + m) and of a whole record
 };
 
+// bits 8: w = d q; 4: w = d (q - z), q 4-bit; 5: 4-bit with a float16 minimum per block after
+// z, w = d (q - z) + m (llama.cpp's Q4_1 form, its blocks served as the file has them).
 constexpr QuantLayout quant_layout(int bits) {
-  return bits == 8 ? QuantLayout{128, 128 + 2048} : QuantLayout{192, 192 + 1024};
+  return bits == 8   ? QuantLayout{128, 128 + 2048}
+         : bits == 5 ? QuantLayout{320, 320 + 1024}
+                     : QuantLayout{192, 192 + 1024};
 }
+
+constexpr bool valid_bits(int64_t bits) { return bits == 8 || bits == 4 || bits == 5; }
 
 struct QuantizedActivations {
   std::vector<int8_t> q;     // [M, Kp]
@@ -132,7 +138,7 @@ struct QuantizedActivations {
 };
 
 void check_quant_packed(const torch::Tensor& packed, int64_t bits) {
-  TORCH_CHECK_VALUE(bits == 8 || bits == 4, "linear_quant: bits must be 8 or 4");
+  TORCH_CHECK_VALUE(valid_bits(bits), "linear_quant: bits must be 8, 4 or 5");
   TORCH_CHECK_VALUE(packed.dim() == 3 && packed.is_contiguous() &&
                         packed.scalar_type() == at::kByte &&
                         packed.size(2) == quant_layout(static_cast<int>(bits)).record,
@@ -140,10 +146,10 @@ void check_quant_packed(const torch::Tensor& packed, int64_t bits) {
 }
 
 // Rows `ids` [T] of a weight packed as above, dequantized to `dtype` [T, k] (an embedding
-// lookup): w = float(q - z) * float(d), rounded once, as QuantizedWeight.rows computes it.
+// lookup): w = float(q - z) * float(d) (+ m), rounded once, as QuantizedWeight.rows computes it.
 torch::Tensor quant_rows(torch::Tensor packed, torch::Tensor ids, int64_t n, int64_t k,
                          int64_t bits, at::ScalarType dtype) {
-  TORCH_CHECK_VALUE(bits == 8 || bits == 4, "quant_rows: bits must be 8 or 4");
+  TORCH_CHECK_VALUE(valid_bits(bits), "quant_rows: bits must be 8, 4 or 5");
   const QuantLayout layout = quant_layout(static_cast<int>(bits));
   TORCH_CHECK_VALUE(packed.dim() == 3 && packed.is_contiguous() &&
                         packed.scalar_type() == at::kByte && packed.size(2) == layout.record,
@@ -168,11 +174,12 @@ torch::Tensor quant_rows(torch::Tensor packed, torch::Tensor ids, int64_t n, int
         const uint8_t* rec = wp + (g * KB + kb) * layout.record;
         const float d = static_cast<float>(reinterpret_cast<const c10::Half*>(rec)[lane]);
         const float z = bits == 8 ? 128.0f : static_cast<float>(static_cast<int8_t>(rec[128 + lane]));
+        const float m = bits == 5 ? static_cast<float>(reinterpret_cast<const c10::Half*>(rec + 192)[lane]) : 0.0f;
         for (int64_t i = 0; i < 32 && kb * 32 + i < k; ++i) {
           const int64_t kq = bits == 8 ? i / 4 : (i % 16) / 4, part = i % 4;
           const uint8_t byte = rec[layout.header + ((kq * 4 + c) * 16 + j) * 4 + part];
           const int q = bits == 8 ? byte : (i < 16 ? byte & 15 : byte >> 4);
-          op[t * k + kb * 32 + i] = static_cast<scalar_t>((static_cast<float>(q) - z) * d);
+          op[t * k + kb * 32 + i] = static_cast<scalar_t>(std::fma(static_cast<float>(q) - z, d, m));
         }
       }
     }

@@ -733,7 +733,7 @@ inline void block_dots(const QuantizedActivations& a, const uint8_t* rec, int64_
       std::memcpy(&quad, xr + kq * 4, sizeof(quad));
       const __m512i xb = _mm512_set1_epi32(quad);
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w[c], xb);
-      if (BITS == 4) {
+      if (BITS != 8) {
         std::memcpy(&quad, xr + 16 + kq * 4, sizeof(quad));
         const __m512i xh = _mm512_set1_epi32(quad);
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w_hi[c], xh);
@@ -753,7 +753,10 @@ inline __m512 add_block(const QuantizedActivations& a, const uint8_t* rec, int64
                               : _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 128 + cc * 16)));
   const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(a.s[j]));
   const __m512i fixed = _mm512_sub_epi32(dots, _mm512_mullo_epi32(z, _mm512_set1_epi32(a.sum[j])));
-  return _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(fixed), sums);
+  const __m512 added = _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(fixed), sums);
+  if constexpr (BITS != 5) return added;
+  const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 192 + cc * 32)));
+  return _mm512_fmadd_ps(mins, _mm512_set1_ps(a.s[j] * static_cast<float>(a.sum[j])), added);  // m s sum(xq)
 }
 
 // Every row x column blocks [c0, c0 + C) of group g, bias added, into y: tiles of rows whose
@@ -853,6 +856,7 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t N, int
   auto y = torch::empty({x.size(0), N}, x.options());
   return THERMOSTAT_DISPATCH_FLOAT(x.scalar_type(), "linear_quant", [&] {
     if (bits == 8) linear_quant_impl<8, scalar_t>(x, packed, bp, y, N);
+    else if (bits == 5) linear_quant_impl<5, scalar_t>(x, packed, bp, y, N);
     else linear_quant_impl<4, scalar_t>(x, packed, bp, y, N);
     return y;
   });

@@ -300,6 +300,7 @@ struct StackLinear {
     });
     team.redo_step(units(), grain(M), own, [&](int64_t b, int64_t e, T* dst) {
       if (bits == 8) quant_units<8>(a, M, W, KB, bp, dst, n, b, e);
+      else if (bits == 5) quant_units<5>(a, M, W, KB, bp, dst, n, b, e);
       else quant_units<4>(a, M, W, KB, bp, dst, n, b, e);
     }, publish);
   }

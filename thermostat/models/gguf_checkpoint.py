@@ -14,19 +14,21 @@ projections for its rotary layout, which `read` undoes.
 | F32, F16, BF16            | as stored                     | that dtype                       |
 | Q8_0                      | 32: d q, q int8               | int8, exactly the file's q and d |
 | Q4_0                      | 32: d (q - 8), q 4-bit        | int4, exactly the file's grid    |
-| Q4_1, Q4_K, Q5_*, Q6_K... | d q + m: m no multiple of d   | int8, requantized (1)            |
+| Q4_1                      | 32: d q + m, q 4-bit          | int4 with its float16 minimums:  |
+|                           |                               | the file's d, m and q (1)        |
+| Q4_K, Q5_*, Q6_K...       | super-blocks of 8 or 16 scaled| int8, requantized (2)            |
+|                           | sub-blocks                    |                                  |
 
 A file's type is the one holding most of its quantized weights (a Q4_K_M file is mostly Q4_K,
-with Q6_K for some layers): a Q4_0 file is served in int4, any other quantized file in int8 (the
-file's other tensors are quantized the same way), a float file in its own dtype. The compute
-dtype ("auto") is the float file's, bfloat16 for a quantized one.
+with Q6_K for some layers): a Q4_0 or Q4_1 file is served in int4, any other quantized file in
+int8 (the file's other tensors are quantized the same way), a float file in its own dtype. The
+compute dtype ("auto") is the float file's, bfloat16 for a quantized one.
 
-(1) int4's grid (w = d (q - z), z an integer) cannot hold a block whose minimum is no multiple
-of its step: requantized to int4 by range, such weights move by up to half a 4-bit step, which
-on SmolLM2-135M-Instruct's Q4_1 file moved the first token's logprobs by ~1 nat from llama.cpp's
-reading of the file (benchmarks/gguf_agreement.py). int8 moves them by at most half an 8-bit
-step (1/254 of a block's largest weight), the closest the kernels run until they take a float
-minimum per block. `--quantization int4` still asks for the smaller, moved form.
+(1) The kernel adds m s sum(xq) per block, llama.cpp's Q4_1 x Q8_1 product (quant.py's
+`bits` 5). (2) A K-quant's block scale d_super x a 6-bit scale is no float16, and its minimum
+need not be a block value: requantized to int4 such weights move by up to half a 4-bit step (on
+SmolLM2's Q4_1 file that moved the first token's logprobs by ~1 nat before the minimum form);
+int8 moves them by at most half an 8-bit step (1/254 of a block's largest weight).
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from thermostat.models.gguf_reading import cached_config, cached_tokenizer, read_header
 
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-INT4_EXACT = ("Q4_0",)  # the GGML types whose weights lie on int4's grid (w = d (q - z))
+# the GGML types whose weights lie on int4's grid: w = d (q - z), or its minimum form d q + m
+INT4_EXACT = ("Q4_0", "Q4_1")
 EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)_exps\.weight")
 NORMS_PLUS_ONE = ("gemma2", "gemma3")  # files whose norm weights hold 1 + w (transformers': w)
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's llama3 rope: a divisor per frequency

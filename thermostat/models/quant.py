@@ -4,6 +4,11 @@
 |--------|----------------------------------------------------|----------------|----------------|
 | int8   | q in [-128, 127], d float16: w = d q               | 34 / 32 = 1.06 | llama.cpp q8_0 |
 | int4   | q in [0, 15], d float16, z int8: w = d (q - z)     | 19 / 32 = 0.59 | GPTQ / AWQ     |
+|        | ... and m float16: w = d (q - z) + m (`bits` 5)    | 21 / 32 = 0.66 | llama.cpp q4_1 |
+
+int4 takes its minimum form for a weight whose blocks lie on it (`on_minimum_grid`): a block
+of a Q4_1 file (w = d q + m, m no multiple of d) comes back exactly, m its least value and d its
+range / 15, as llama.cpp's quantizer wrote them. Other weights keep the integer zero point.
 
 int4's integer zero point holds symmetric 4-bit (q4_0: z = 8), GPTQ and AWQ groups (a group of
 128 is four blocks with the same d and z) exactly. Quantizing a weight that already lies on such a
@@ -31,7 +36,7 @@ if TYPE_CHECKING:
     from thermostat.kernels import LinearOps
 
 BLOCK = 32  # weights per scale, along K
-Bits = Literal[8, 4]
+Bits = Literal[8, 4, 5]  # 5: int4 with a float minimum per block
 FORMATS: dict[str, Bits] = {"int8": 8, "int4": 4}
 
 
@@ -110,6 +115,23 @@ def quantize_int8(
     return q.reshape(weight.shape).to(torch.int8), d
 
 
+def quantize_int4_min(
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] (K % 32 == 0) -> (q [N, K] uint8 in [0, 15], d, z (0), m [N, K / 32]):
+    m = the block's least value and d = its range / 15, both float16, q = round((w - m) / d).
+    A Q4_1 block (its q spanning 0..15, as llama.cpp's quantizer writes them) comes back with
+    the file's own d, m and q."""
+    blocks = weight.float().reshape(weight.shape[0], -1, BLOCK)
+    lo, hi = blocks.amin(dim=-1), blocks.amax(dim=-1)
+    m = lo.half()
+    d = ((hi - m.float()) / 15).half()
+    inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+    q = torch.round((blocks - m.float()[..., None]) * inv[..., None]).clamp(0, 15)
+    z = torch.zeros_like(d, dtype=torch.int8)
+    return q.reshape(weight.shape).to(torch.uint8), d, z, m
+
+
 def quantize_int4(
     weight: torch.Tensor, ops: LinearOps | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -133,8 +155,9 @@ def quantize_int4(
     return q.reshape(weight.shape).to(torch.uint8), span.half(), z.to(torch.int8)
 
 
-HEADER = {8: 128, 4: 192}  # bytes of d (64 float16) and z (64 int8, int4 only) per record
-BODY = {8: 2048, 4: 1024}  # bytes of one K block of 64 outputs' weights
+# bytes of d (64 float16), z (64 int8, 4-bit only) and m (64 float16, bits 5) per record
+HEADER = {8: 128, 4: 192, 5: 320}
+BODY = {8: 2048, 4: 1024, 5: 1024}  # bytes of one K block of 64 outputs' weights
 
 
 @dataclass
@@ -151,11 +174,15 @@ class QuantizedWeight:
 
     @classmethod
     def pack(
-        cls, q: torch.Tensor, d: torch.Tensor, z: torch.Tensor | None = None
+        cls,
+        q: torch.Tensor,
+        d: torch.Tensor,
+        z: torch.Tensor | None = None,
+        m: torch.Tensor | None = None,
     ) -> QuantizedWeight:
         """q [N, K] (int8 in [-128, 127] with z None; uint8 in [0, 15] with z), d [N, ceil(K /
-        32)] float16, z the same shape int8 -> the kernel's layout."""
-        bits: Bits = 8 if z is None else 4
+        32)] float16, z the same shape int8, m (with z) float16 -> the kernel's layout."""
+        bits: Bits = 8 if z is None else (4 if m is None else 5)
         n, k = q.shape
         kb = (k + BLOCK - 1) // BLOCK
         if d.shape != (n, kb) or (z is not None and z.shape != (n, kb)):
@@ -176,6 +203,8 @@ class QuantizedWeight:
         parts = [_group_major(d, groups).view(torch.uint8)]
         if z is not None:
             parts.append(_group_major(z, groups).view(torch.uint8))
+        if m is not None:
+            parts.append(_group_major(m.half(), groups).view(torch.uint8))
         parts.append(body.reshape(groups, kb, -1))
         return cls(bits, n, k, torch.cat(parts, dim=-1).contiguous())
 
@@ -201,6 +230,13 @@ class QuantizedWeight:
         z = None if self.bits == 8 else self.packed[..., 128:192].contiguous().view(torch.int8)
         return d, z
 
+    def minimums(self) -> torch.Tensor | None:
+        """m [N, K / 32] float16 of the minimum form (bits 5), else None."""
+        if self.bits != 5:
+            return None
+        m = self.packed[..., 192:320].contiguous().view(torch.float16)
+        return _row_major(m, self.out_features)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [N, K] as the kernel's arithmetic sees it."""
         q, d, z = self.unpack()
@@ -208,6 +244,9 @@ class QuantizedWeight:
         if z is not None:
             blocks = blocks - z.float()[..., None]
         blocks = blocks * d.float()[..., None]
+        m = self.minimums()
+        if m is not None:
+            blocks = blocks + m.float()[..., None]
         return blocks.reshape(q.shape[0], -1)[:, : self.in_features].to(dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -234,6 +273,9 @@ class QuantizedWeight:
             q = torch.cat([b & 15, b >> 4], dim=2)
             z = data[base + 128 + lane[:, None]].view(torch.int8).float()[..., None]
             w = (q.float() - z) * d
+            if self.bits == 5:
+                m_at = (base + 192 + 2 * lane[:, None])[..., None] + torch.arange(2)
+                w = w + data[m_at].view(torch.float16)[..., 0].float()[..., None]
         out = w.reshape(len(flat), -1)[:, : self.in_features].to(dtype)
         return out.reshape(*ids.shape, self.in_features)
 
@@ -263,20 +305,43 @@ def quantize(weight: torch.Tensor, fmt: str, ops: LinearOps | None = None) -> Qu
     q, d = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     if FORMATS[fmt] == 8:
         return QuantizedWeight.pack(q[:, :k], d)
+    if any(len(p) == 4 for p in parts):  # some rows in the minimum form: all of them in it
+        parts = [_quantize_rows(weight[r : r + ROWS], fmt, ops, True) for r in range(0, n, ROWS)]
+        q, d = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        z, m = torch.cat([p[2] for p in parts]), torch.cat([p[3] for p in parts])
+        return QuantizedWeight.pack(q[:, :k], d, z, m)
     return QuantizedWeight.pack(q[:, :k], d, torch.cat([p[2] for p in parts]))
 
 
 ROWS = 4096  # rows quantized at a time: float32 temporaries of a few MB, not of the whole weight
 
 
-def _quantize_rows(rows: torch.Tensor, fmt: str, ops: LinearOps | None) -> tuple[torch.Tensor, ...]:
-    """(q, d) or (q, d, z) of some rows of a weight, K padded with zeros to whole blocks."""
+def _quantize_rows(
+    rows: torch.Tensor, fmt: str, ops: LinearOps | None, minimums: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """(q, d) (int8), (q, d, z) (int4) or (q, d, z, m) (int4's minimum form: where its first
+    blocks lie on that form's grid, or with `minimums`) of some rows of a weight, K padded with
+    zeros to whole blocks."""
     n, k = rows.shape
     padded = torch.zeros(n, (k + BLOCK - 1) // BLOCK * BLOCK, dtype=torch.float32)
     padded[:, :k] = rows.float()
     if FORMATS[fmt] == 8:
         return quantize_int8(padded, ops)
+    if minimums or on_minimum_grid(padded[:, : BLOCK * 2][: PROBE // 2]):
+        return quantize_int4_min(padded)
     return quantize_int4(padded, ops)
+
+
+def on_minimum_grid(weight: torch.Tensor) -> bool:
+    """Whether some block of `weight` [N, K] lies on int4's minimum form exactly (a Q4_1
+    file's: every value m + d j, j in 0..15) and not on an integer zero point's grid."""
+    q, d, _, m = quantize_int4_min(weight)
+    blocks = weight.float().reshape(weight.shape[0], -1, BLOCK)
+    back = q.float().reshape(blocks.shape) * d.float()[..., None] + m.float()[..., None]
+    exact = ((back - blocks).abs() <= 1e-3 * d.float()[..., None]).all(dim=-1) & (d > 0)
+    if not bool(exact.any()):
+        return False
+    return not bool((grid_step(blocks[exact], True) > 0).all())
 
 
 def quantize_activations(x: torch.Tensor, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,7 +367,11 @@ def reference_linear(
     acc = torch.einsum("mbk,nbk->mnb", xq, wq)  # integers below 2^24: exact
     if z is not None:
         acc = acc - z.float()[None] * xq.sum(dim=-1)[:, None, :]  # still exact integers
-    y = (acc * (d.float()[None] * s[:, None, :])).sum(dim=-1)
+    terms = acc * (d.float()[None] * s[:, None, :])
+    m = weight.minimums()
+    if m is not None:  # + m s sum(xq) per block
+        terms = terms + m.float()[None] * (s * xq.sum(dim=-1))[:, None, :]
+    y = terms.sum(dim=-1)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
