@@ -67,7 +67,7 @@ def assert_refused(field: SamplingField, value) -> None:
 
 
 # Not table fields: an object each, checked when built (sampling/structured.py)
-OBJECT_FIELDS = ["structured"]
+OBJECT_FIELDS = ["structured", "repetition_detection"]
 
 
 def test_sampling_params_declares_every_field_in_order_defaulting_to_none():

@@ -95,6 +95,8 @@ else:
         guided_choice=(list[str] | None, None),
         guided_grammar=(str | None, None),
         structured_outputs=(StructuredOutputs | None, None),
+        # vLLM's: end a generation whose tokens repeat (sampling/repetition_detection.py)
+        repetition_detection=(dict[str, Any] | None, None),
         # SGLang's router adds these for prefill/decode disaggregation (lists: one per choice)
         bootstrap_host=(str | list[str] | None, None),
         bootstrap_port=(int | list[int] | None, None),

@@ -20,6 +20,7 @@ from thermostat.api.protocol import ChatCompletionRequest, CompletionRequest
 from thermostat.errors import InvalidRequest
 from thermostat.sampling import SamplingParamError, SamplingParams
 from thermostat.sampling.fields import FIELDS
+from thermostat.sampling.repetition_detection import RepetitionDetection
 from thermostat.sampling.structured import ConstraintError, StructuredOutput
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI and vLLM allow
@@ -86,6 +87,9 @@ def to_sampling_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         structured=structured_output(body, tools),
+        repetition_detection=None
+        if body.repetition_detection is None
+        else RepetitionDetection.of(body.repetition_detection),
     )
 
 

@@ -294,6 +294,13 @@ class Scheduler:
             return "length", None
         if req.num_tokens >= self.config.max_model_len:
             return "length", None
+        detection = req.params.repetition_detection
+        if (
+            detection is not None
+            and req.num_output_tokens >= req.params.min_tokens
+            and detection.found(req.output_token_ids)
+        ):
+            return "repetition", "repetition_detected"
         if constraint is not None and not constraint.allows_any(req.banned_token_ids()):
             return "error", "constraint_dead_end"
         return None

@@ -14,6 +14,7 @@ from thermostat.sampling.fields import (
     REPORTED_FIELDS,
     SamplingParamError,
 )
+from thermostat.sampling.repetition_detection import RepetitionDetection
 from thermostat.sampling.structured import StructuredOutput
 
 
@@ -56,8 +57,10 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool | None = None
-    # Not a table field: an object checked when built (sampling/structured.py), never layered.
+    # Not table fields: objects checked when built (sampling/structured.py,
+    # sampling/repetition_detection.py), never layered.
     structured: StructuredOutput | None = None
+    repetition_detection: RepetitionDetection | None = None
 
     def sent(self) -> dict[str, Any]:
         """The fields that were set, as a dict."""
@@ -106,6 +109,7 @@ class EffectiveParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None  # the output's grammar, if constrained
+    repetition_detection: RepetitionDetection | None = None  # vLLM's: end a repeating output
 
     @property
     def greedy(self) -> bool:

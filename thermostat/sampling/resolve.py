@@ -183,6 +183,7 @@ def resolve(params: SamplingParams, defaults: SamplingDefaults) -> Resolution:
         if params.skip_special_tokens is None
         else params.skip_special_tokens,
         structured=params.structured,
+        repetition_detection=params.repetition_detection,
     )
     return Resolution(effective=effective, source=source, adjusted=tuple(adjusted))
 

@@ -47,9 +47,9 @@ def string_field(item: Mapping[str, Any], key: str, where: str) -> str:
 
 def passed_fields(raw: Mapping[str, Any], mapped: set[str]) -> dict[str, Any]:
     """The chat body's fields sent in an agent's body as chat names them: sampling fields
-    (vLLM's extra fields: top_k, min_p, seed, ...) besides those its API maps itself (`mapped`),
-    and a PD router's bootstrap fields."""
-    names = [*(f.name for f in FIELDS if f.body), *BOOTSTRAP]
+    (vLLM's extra fields: top_k, min_p, seed, repetition_detection, ...) besides those its API
+    maps itself (`mapped`), and a PD router's bootstrap fields."""
+    names = [*(f.name for f in FIELDS if f.body), "repetition_detection", *BOOTSTRAP]
     return {n: raw[n] for n in names if n in raw and n not in mapped | NOT_PASSED}
 
 
