@@ -43,7 +43,7 @@ def test_models_import_no_upper_layer():
 
 
 def test_a_family_imports_layers_not_another_family():
-    families = {f"thermostat.models.{name}" for name in ("llama", "deepseek")}
+    families = {f"thermostat.models.{name}" for name in ("llama", "deepseek", "gemma3")}
     for path in sorted(MODELS_DIR.glob("*.py")):
         if path.stem != "registry":
             bad = {m for m in imported_modules(path) if m in families}
@@ -55,6 +55,7 @@ def test_registry_is_the_list_of_served_architectures(tmp_path):
         "DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM",
         "DeepseekV4ForCausalLM",
+        "Gemma3ForCausalLM",
         "LlamaForCausalLM",
         "MistralForCausalLM",
         "MixtralForCausalLM",

@@ -13,12 +13,8 @@ import torch.nn.functional as F
 
 from thermostat import kernels
 from thermostat.kernels.build import AVX2, FULL
-from thermostat.models.quant import (
-    QuantizedWeight,
-    quantize,
-    quantize_int4_min,
-    reference_linear,
-)
+from thermostat.models.grids import quantize_int4_min
+from thermostat.models.quant import QuantizedWeight, quantize, reference_linear
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 

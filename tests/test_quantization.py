@@ -12,13 +12,8 @@ from thermostat import LLM, SamplingParams, kernels
 from thermostat.commands.diagnose import Cell, conclude, one_sided_p
 from thermostat.disagg.handoff import disagreements, fingerprint
 from thermostat.engine.loader import ModelLoadError
-from thermostat.models.quant import (
-    QuantizedWeight,
-    grid_step,
-    quantize,
-    quantize_int4,
-    quantize_int8,
-)
+from thermostat.models.grids import grid_step, quantize_int4, quantize_int8
+from thermostat.models.quant import QuantizedWeight, quantize
 from thermostat.random_model import SMOLLM2_135M, write_model
 
 needs_kernels = pytest.mark.skipif(kernels.ops() is None, reason=f"CPU kernels {kernels.status()}")

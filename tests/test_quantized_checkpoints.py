@@ -20,8 +20,9 @@ from tests.conftest import hf_model
 from tests.test_deepseek import PROMPTS, prompt_logprobs
 from thermostat import LLM, kernels
 from thermostat.engine.loader import ModelLoadError, load_model
+from thermostat.models.grids import grid_step
 from thermostat.models.int_packing import AWQ_ORDER, unpack_int32
-from thermostat.models.quant import grid_step, quantize, reference_linear
+from thermostat.models.quant import quantize, reference_linear
 from thermostat.random_model import write_model
 
 pytestmark = pytest.mark.skipif(kernels.ops() is None, reason="int8 / int4 need the CPU kernels")

@@ -295,11 +295,7 @@ class Scheduler:
         if req.num_tokens >= self.config.max_model_len:
             return "length", None
         detection = req.params.repetition_detection
-        if (
-            detection is not None
-            and req.num_output_tokens >= req.params.min_tokens
-            and detection.found(req.output_token_ids)
-        ):
+        if detection is not None and detection.ends(req.output_token_ids, req.params.min_tokens):
             return "repetition", "repetition_detected"
         if constraint is not None and not constraint.allows_any(req.banned_token_ids()):
             return "error", "constraint_dead_end"

@@ -16,7 +16,7 @@ that make the choice; forward code calls the function chosen:
 | op                     | chosen in (thermostat/models/) | compiled when                          |
 |------------------------|--------------------------------|----------------------------------------|
 | rms_norm, add_rms_norm | layers.RMSNorm.__init__        | dim % 16 == 0 (q/k norms: never)       |
-| rotary                 | llama.Attention.__init__,      | head_dim % 32 == 0                     |
+| rotary                 | gqa.Attention.__init__,        | head_dim % 32 == 0                     |
 |                        | mla.MLAttention.__init__       | qk_rope_head_dim % 32 == 0             |
 | silu_mul               | layers.MLP.__init__,           | intermediate_size % 16 == 0            |
 |                        | moe.Experts.__init__           | moe_intermediate_size % 16 == 0        |

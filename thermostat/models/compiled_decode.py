@@ -75,7 +75,7 @@ def _layer_parts(layer: nn.Module, i: int, cache: PagedKVCache, ops: CpuOps) -> 
     """Layer i as the kernels' StackLayer, or None if one of its ops is not compiled."""
     if not isinstance(layer, PreNormLayer) or not isinstance(layer.mlp, MLP):
         return None  # a MoE layer
-    attn: Any = layer.self_attn  # a thermostat.models.llama.Attention
+    attn: Any = layer.self_attn  # a thermostat.models.gqa.Attention
     mlp = layer.mlp
     module = ops.module
     if not (

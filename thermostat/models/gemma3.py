@@ -28,11 +28,12 @@ import torch
 from torch import nn
 
 from thermostat.kernels import CpuOps
-from thermostat.models.attention import AttentionMetadata, paged_attention, windowed
+from thermostat.models.attention import AttentionMetadata, windowed
+from thermostat.models.gqa import Attention, AttentionArch
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import KVCacheSpec
-from thermostat.models.layers import MLP, DecoderStack, RMSNorm, StackArch
-from thermostat.models.rope import RotaryEmbedding, apply_rotary
+from thermostat.models.layers import MLP, DecoderStack, PreNormLayer, RMSNorm
+from thermostat.models.rope import RotaryEmbedding
 from thermostat.models.weights import Index, fused_target
 
 if TYPE_CHECKING:
@@ -40,20 +41,14 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Gemma3Arch(StackArch):
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+class Gemma3Arch(AttentionArch):
+    """The shared attention's shape (q/k norms on, no biases, the model-wide sliding window
+    None: global layers see everything), and Gemma's own."""
+
     window: int  # a local layer's, in tokens (its own position included)
     local_layers: tuple[int, ...]
-    query_scale: float
     activation: str
     final_softcap: float | None
-    sliding_window: None = None  # the model's: global layers see everything (ArchFacts)
-
-    @property
-    def rotary_dim(self) -> int:
-        return self.head_dim
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, arch: str) -> Gemma3Arch:
@@ -67,9 +62,13 @@ class Gemma3Arch(StackArch):
             num_heads=config.num_attention_heads,
             num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
+            qkv_bias=False,
+            o_bias=False,
+            qk_norm=True,
+            sliding_window=None,
+            attention_scale=config.query_pre_attn_scalar**-0.5,
             window=config.sliding_window,
             local_layers=tuple(i for i, k in enumerate(kinds) if k == "sliding_attention"),
-            query_scale=config.query_pre_attn_scalar**-0.5,
             activation=config.hidden_activation,
             final_softcap=getattr(config, "final_logit_softcapping", None),
         )
@@ -84,56 +83,16 @@ def rotary_of(
     return RotaryEmbedding(own, head_dim, max_positions, dtype)
 
 
-class Gemma3Attention(nn.Module):
-    def __init__(self, arch: Gemma3Arch, layer: int) -> None:
-        super().__init__()
-        self.layer, self.local = layer, layer in arch.local_layers
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            arch.num_heads,
-            arch.num_kv_heads,
-            arch.head_dim,
-        )
-        self.q_size, self.kv_size = (
-            arch.num_heads * arch.head_dim,
-            arch.num_kv_heads * arch.head_dim,
-        )
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
-        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, None)  # sees [T, H, D]
-        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, None)
-        self.scale = arch.query_scale
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        meta: AttentionMetadata,
-        cache: PagedKVCache,
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q = self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, -1, self.head_dim))
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = paged_attention(q, k, v, self.layer, cache, meta, self.scale)
-        y: torch.Tensor = self.o_proj(o.reshape(t, self.q_size))
-        return y
-
-
-class Gemma3Layer(nn.Module):
+class Gemma3Layer(PreNormLayer):
     """norm, attention, norm, add; norm, MLP, norm; the residual stream as PreNormLayer keeps it
     (each add fused with the norm that follows it)."""
 
     def __init__(self, arch: Gemma3Arch, layer: int, ops: CpuOps | None) -> None:
-        super().__init__()
         size, eps = arch.hidden_size, arch.rms_norm_eps
-        self.input_layernorm = RMSNorm(size, eps, ops)
-        self.self_attn = Gemma3Attention(arch, layer)
-        self.post_attention_layernorm = RMSNorm(size, eps, ops)
+        attn = Attention(arch, layer, ops)
+        mlp = MLP(size, arch.intermediate_size, False, ops, act=arch.activation)
+        super().__init__(size, eps, attn, mlp, ops)
         self.pre_feedforward_layernorm = RMSNorm(size, eps, ops)
-        self.mlp = MLP(size, arch.intermediate_size, False, ops, act=arch.activation)
         self.post_feedforward_layernorm = RMSNorm(size, eps, ops)
 
     def forward(
@@ -145,12 +104,8 @@ class Gemma3Layer(nn.Module):
         meta: AttentionMetadata,
         cache: PagedKVCache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h = self.input_layernorm.add_forward(x, residual)
-        h = self.post_attention_layernorm(self.self_attn(h, cos, sin, meta, cache))
-        h = self.pre_feedforward_layernorm.add_forward(h, residual)
+        h, residual = self.attend(x, residual, cos, sin, meta, cache)
+        h = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(h), residual)
         y: torch.Tensor = self.post_feedforward_layernorm(self.mlp(h))
         return y, residual
 

@@ -1,11 +1,10 @@
-"""The layer library every family builds on: RMSNorm, the SiLU-gated MLP (and its one
-`silu_mul`), the pre-norm decoder layer, and `DecoderStack` (embeddings, layers, final norm, LM
-head; the constructor tail and the checkpoint loop every family shares). A family module imports
-these, never another family."""
+"""The layer library every family builds on: RMSNorm, the gated MLP (its products:
+models/activations.py), the pre-norm decoder layer, and `DecoderStack` (embeddings, layers,
+final norm, LM head; the constructor tail and the checkpoint loop every family shares). A family
+module imports these, never another family."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -15,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from thermostat.kernels import CpuOps
+from thermostat.models.activations import gated_activation
 from thermostat.models.attention import AttentionMetadata
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.linear import PackedEmbedding, PackedLinear, pack_linears
@@ -62,40 +62,6 @@ def _add_rms_norm(
 ) -> torch.Tensor:
     residual.add_(x)
     return F.rms_norm(residual, weight.shape, weight, eps)
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[..., 2I] (gate first) -> silu(gate) * up [..., I]: the reference of CpuOps.silu_mul."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def clamped_silu_mul(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu_mul with the gate clamped to at most `limit` and up to [-limit, limit]
-    (DeepSeek-V4's `swiglu_limit`)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
-
-
-def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[..., 2I] (gate first) -> gelu(gate, tanh approximation) * up [..., I] (Gemma's)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
-
-
-def gated_activation(
-    intermediate: int, limit: float | None, ops: CpuOps | None, act: str = "silu"
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The gated product of an MLP of `intermediate` size: SiLU's (clamped at `limit` when
-    given, else the compiled kernel where it applies: the table in thermostat.kernels), or
-    GELU's tanh approximation (`act` "gelu_pytorch_tanh", PyTorch's)."""
-    if act == "gelu_pytorch_tanh":
-        return gelu_tanh_mul
-    if act != "silu":
-        raise ValueError(f"config.json: hidden activation {act!r} is not supported")
-    if limit is not None:
-        return functools.partial(clamped_silu_mul, limit=limit)
-    return ops.silu_mul if ops is not None and intermediate % 16 == 0 else silu_mul
 
 
 class MLP(nn.Module):
@@ -147,14 +113,27 @@ class PreNormLayer(nn.Module):
         """x: the previous layer's output, not yet added to `residual` (None before the first
         layer, where x is the embedding). Returns (this layer's output, residual): the residual
         stream is updated in place, each add fused with the norm that follows it."""
+        h, residual = self.attend(x, residual, cos, sin, meta, cache)
+        h = self.post_attention_layernorm.add_forward(h, residual)
+        y: torch.Tensor = self.mlp(h)
+        return y, residual
+
+    def attend(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x added to the residual stream (which it starts), normed, attended: (the attention's
+        output, the residual)."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, cos, sin, meta, cache)
-        h = self.post_attention_layernorm.add_forward(h, residual)
-        y: torch.Tensor = self.mlp(h)
-        return y, residual
+        return self.self_attn(h, cos, sin, meta, cache), residual
 
 
 class Float32Module(nn.Module):

@@ -13,14 +13,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from thermostat.kernels import CpuOps
-from thermostat.models.attention import AttentionMetadata, paged_attention
+from thermostat.models.attention import AttentionMetadata
 from thermostat.models.compiled_decode import CompiledDecode, compiled_decode
+from thermostat.models.gqa import Attention, AttentionArch
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import KVCacheSpec
-from thermostat.models.layers import MLP, DecoderStack, PreNormLayer, RMSNorm, StackArch
+from thermostat.models.layers import MLP, DecoderStack, PreNormLayer
 from thermostat.models.moe import MoEArch, SparseMoE, expert_target
-from thermostat.models.rope import apply_rotary
 from thermostat.models.weights import Index, fused_target
 
 if TYPE_CHECKING:
@@ -28,22 +27,11 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class ModelArch(StackArch):
+class ModelArch(AttentionArch):
     """The family's shape from a Hugging Face config.json."""
 
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    qkv_bias: bool
-    o_bias: bool
-    qk_norm: bool
-    sliding_window: int | None
     moe: MoEArch | None = None  # Mixtral, Qwen3-MoE
     moe_layers: tuple[int, ...] = ()  # the layers whose MLP is `moe`
-
-    @property
-    def rotary_dim(self) -> int:
-        return self.head_dim
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, arch: str) -> ModelArch:
@@ -66,6 +54,7 @@ class ModelArch(StackArch):
             o_bias=arch != "Qwen2ForCausalLM" and bool(getattr(config, "attention_bias", False)),
             qk_norm=qwen3,
             sliding_window=window,
+            attention_scale=None,
             moe=moe,
             moe_layers=moe_layers,
         )
@@ -90,52 +79,6 @@ def _moe_arch(config: PretrainedConfig, arch: str) -> tuple[MoEArch | None, tupl
         dense, step = set(config.mlp_only_layers or ()), config.decoder_sparse_step
         return moe, tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
     return None, ()
-
-
-class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, layer: int, ops: CpuOps | None) -> None:
-        super().__init__()
-        self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            arch.num_heads,
-            arch.num_kv_heads,
-            arch.head_dim,
-        )
-        self.q_size = arch.num_heads * arch.head_dim
-        self.kv_size = arch.num_kv_heads * arch.head_dim
-        self.qkv_proj = nn.Linear(
-            arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
-        # q/k norms see [T, H, D]: always the PyTorch norm
-        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, None) if arch.qk_norm else None
-        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, None) if arch.qk_norm else None
-        self.scale = arch.head_dim**-0.5
-        # The one choice of this op (the table in thermostat.kernels).
-        compiled = ops if arch.head_dim % 32 == 0 else None
-        self._rotary = apply_rotary if compiled is None else compiled.rotary
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        meta: AttentionMetadata,
-        cache: PagedKVCache,
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat(
-                [self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1
-            )
-        qk = self._rotary(qk, cos, sin)  # q and k heads together: one pass
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        o = paged_attention(q, k, v, self.layer, cache, meta, self.scale)
-        y: torch.Tensor = self.o_proj(o.reshape(t, self.q_size))
-        return y
 
 
 class LlamaFamilyModel(DecoderStack[ModelArch]):

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from thermostat.kernels import CpuOps, LinearOps
-from thermostat.models.layers import Float32Module, gated_activation
+from thermostat.models.activations import gated_activation
+from thermostat.models.layers import Float32Module
 from thermostat.models.linear import PackedLinear, QuantLinear
 from thermostat.models.quant import quantize
 from thermostat.models.weights import Index

@@ -49,6 +49,10 @@ class RepetitionDetection:
             )
         return made
 
+    def ends(self, tokens: Sequence[int], min_tokens: int) -> bool:
+        """Whether a generation of output `tokens` ends here: min_tokens are out and found."""
+        return len(tokens) >= min_tokens and self.found(tokens)
+
     def found(self, tokens: Sequence[int]) -> bool:
         """Whether `tokens` end in a pattern of an allowed size repeated min_count times."""
         if self.max_pattern_size <= 0:
