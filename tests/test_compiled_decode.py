@@ -128,8 +128,8 @@ def test_a_preempted_teammate_has_its_pieces_redone_with_the_same_bits(tmp_path,
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
+        # (no count is asserted of this call: another process may preempt a teammate here too)
         steady = stack.forward(x.clone(), cos, sin, *step)
-        assert stack.redone == 0
         redone = 0
         for _ in range(5):  # the caller may claim every piece of a call before its teammate
             stalled = stack.forward(x.clone(), cos, sin, *step, stall_us=2000)
