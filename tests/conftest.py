@@ -13,11 +13,19 @@ from hypothesis import HealthCheck, settings
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from thermostat import kernels
+from thermostat import LLM, SamplingParams, kernels
 from thermostat.kernels.build import AVX2, FULL
 from thermostat.random_model import CONFIGS, write_model
 
-__all__ = ["BUILDS", "CONFIGS", "hf_greedy", "hf_model", "write_model", "write_v3_with_next_n"]
+__all__ = [
+    "BUILDS",
+    "CONFIGS",
+    "hf_greedy",
+    "hf_model",
+    "prompt_logprobs",
+    "write_model",
+    "write_v3_with_next_n",
+]
 
 BUILDS = {"avx512": FULL, "avx2": AVX2}  # the kernel builds (thermostat.kernels.build)
 
@@ -65,6 +73,20 @@ def hf_greedy(hf, prompt: list[int], num_tokens: int) -> list[int]:
         pad_token_id=hf.config.pad_token_id if hf.config.pad_token_id is not None else 0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+def prompt_logprobs(llm: LLM, prompts: list[list[int]], vocab: int) -> list[torch.Tensor]:
+    """Per prompt, the engine's next-token log-probabilities at every position but the last
+    [len - 1, vocab]."""
+    params = SamplingParams(max_tokens=0, prompt_logprobs=vocab)
+    rows = []
+    for out in llm.generate(prompts, params):
+        got = torch.full((len(out.prompt_logprobs) - 1, vocab), float("nan"))
+        for pos, lp in enumerate(out.prompt_logprobs[1:]):
+            for token, value in lp.top:
+                got[pos, token] = value
+        rows.append(got)
+    return rows
 
 
 def write_v3_with_next_n(path: Path, dtype: torch.dtype = torch.float32) -> Path:

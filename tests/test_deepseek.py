@@ -14,7 +14,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from tests.conftest import hf_greedy, hf_model
+from tests.conftest import hf_greedy, hf_model, prompt_logprobs
 from tests.test_handoff import run as run_group
 from thermostat import LLM, SamplingParams, kernels
 from thermostat.models.deepseek import DeepseekArch
@@ -138,20 +138,6 @@ FAMILIES = sorted(MOE_CONFIGS)
 def checkpoint(request, tmp_path_factory):
     path = write_model(tmp_path_factory.mktemp(request.param), request.param)
     return path, hf_model(path)
-
-
-def prompt_logprobs(llm: LLM, prompts: list[list[int]], vocab: int) -> list[torch.Tensor]:
-    """Per prompt, the engine's next-token log-probabilities at every position but the last
-    [len - 1, vocab]."""
-    params = SamplingParams(max_tokens=0, prompt_logprobs=vocab)
-    rows = []
-    for out in llm.generate(prompts, params):
-        got = torch.full((len(out.prompt_logprobs) - 1, vocab), float("nan"))
-        for pos, lp in enumerate(out.prompt_logprobs[1:]):
-            for token, value in lp.top:
-                got[pos, token] = value
-        rows.append(got)
-    return rows
 
 
 def test_prompt_logprobs_match_transformers(checkpoint):

@@ -26,6 +26,8 @@ that make the choice; forward code calls the function chosen:
 | write_kv               | kv_cache.PagedKVCache.__init__ | key/value stored in the compute dtype  |
 | decode_attention       | kv_cache.PagedKVCache.__init__ | key/value in fp8 or the compute dtype, |
 |                        |                                | head_dim % 16 == 0 and <= 256          |
+| prefill_attention      | kv_cache.PagedKVCache.__init__ | AVX-512 build, key/value and compute in|
+|                        |                                | bf16, head_dim % 32 == 0 and <= 256    |
 | DecodeStack            | compiled_decode.compiled_decode| every op of a dense layer compiled     |
 """
 
@@ -176,6 +178,29 @@ class CpuOps(LinearOps):
             q, key_cache, value_cache, key_scale, value_scale, block_tables, context_lens, scale,
             window,
         )  # fmt: skip
+        return y
+
+    @property
+    def has_prefill_attention(self) -> bool:
+        """Whether this build has `prefill_attention` (the AVX-512 build; AVX2's has not)."""
+        return hasattr(self.module, "prefill_attention")
+
+    def prefill_attention(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        table: torch.Tensor,
+        start: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of a chunk of one sequence's new tokens, the rows at positions
+        start .. start + T - 1, over its context read in place: q [T, Hq, D] bfloat16 (D
+        contiguous, D % 32 == 0, Hq / Hkv <= 48), caches [num_blocks, block_size, Hkv, D]
+        bfloat16 holding positions 0 .. start + T - 1, table [nb] int64 (contiguous). Returns
+        [T, Hq, D]; a row's bits do not depend on the chunk it arrives in."""
+        y: torch.Tensor = self.module.prefill_attention(q, key_cache, value_cache, table, start,
+                                                        scale)  # fmt: skip
         return y
 
 

@@ -10,6 +10,8 @@
 //   write_kv       new tokens' K/V (views of the qkv output) into their cache slots
 //   decode_attention  one query token per sequence against its paged K/V, read in place through
 //                  the block table (no gather), GQA, sliding window, fp8_e4m3 with token scales
+//   prefill_attention  a chunk of one sequence's new tokens, causal over its paged bf16 K/V read
+//                  in place: online softmax over key tiles (prefill_attention.h)
 //   linear_vnni    y = x W^T + b in bf16, W packed once (pack_vnni): AMX tiles where the CPU has
 //                  them, else bf16 dot products; one arithmetic for any batch (batch invariance)
 //   linear_quant   y = x W^T + b with int8 or 4-bit weights (blocks of 32) and activations
@@ -415,6 +417,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::
                                                         out);
       });
 }
+
+#include "prefill_attention.h"
 
 // ---------------------------------------------------------------- bf16 linear, VNNI layout
 //
@@ -877,6 +881,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "store new tokens' K/V into their cache slots", nogil);
   m.def("decode_attention", &decode_attention, "paged attention of one query token per sequence",
         nogil);
+  m.def("prefill_attention", &prefill_attention,
+        "causal attention of a chunk of one sequence's rows over its paged context", nogil);
   m.def("pack_vnni", &pack_vnni, "bf16 weight [N, K] -> the layout linear_vnni reads", nogil);
   m.def("linear_vnni", &linear_vnni, "x W^T + b for bf16 rows, the same bits per row at any M",
         nogil);

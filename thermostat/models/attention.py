@@ -143,7 +143,8 @@ def paged_attention(
     """q: [T, Hq, D]; k, v: [T, Hkv, D] for the new tokens. Writes k/v into the cache, then
     attends each token to its sequence's context. Returns [T, Hq, D]. Decodes run in the cache's
     decode attention (the compiled kernel reads the blocks in place where the cache allows it);
-    prefill chunks use SDPA."""
+    prefill chunks in the cache's prefill attention where it has one (bf16 blocks read in place,
+    whole context, no window), else in SDPA."""
     cache.write(layer, (k, v), meta.slot_mapping)
     nd = meta.num_decodes
     if not meta.prefills:
@@ -151,6 +152,13 @@ def paged_attention(
     out = torch.empty_like(q)
     if nd:
         out[:nd] = cache.decode_attention(q[:nd], layer, meta, scale)
+    if meta.sliding_window is None and cache.attends_prefills(q.shape[1]):
+        start = nd
+        for segment in meta.prefills:
+            end = start + segment.q_len
+            out[start:end] = cache.prefill_attention(q[start:end], layer, segment, scale)
+            start = end
+        return out
     for run in prefill_runs(meta.prefills, nd, cache.spec.quantized):
         start, end, seg = run.start, run.end, run.segment
         if seg is None:  # fresh sequences: the context is the chunk itself

@@ -32,7 +32,7 @@ from thermostat.kernels import CpuOps
 from thermostat.models.kv_spec import KVCacheSpec, KVRows
 
 if TYPE_CHECKING:
-    from thermostat.models.attention import AttentionMetadata
+    from thermostat.models.attention import AttentionMetadata, PrefillSegment
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 
@@ -90,6 +90,14 @@ class PagedKVCache:
             if self.ops is not None and in_place and head_dim % 16 == 0 and head_dim <= 256
             else self._decode_sdpa
         )
+        self._prefills_in_place = (
+            self.ops is not None
+            and self.ops.has_prefill_attention
+            and spec.dtype == compute_dtype == torch.bfloat16
+            and not spec.quantized
+            and head_dim % 32 == 0
+            and head_dim <= 256
+        )
 
     @property
     def in_place_kernels(self) -> bool:
@@ -108,6 +116,28 @@ class PagedKVCache:
         """Key/value layout only. q [nd, Hq, D]: one token per decoding sequence, attending to
         its blocks (meta.decode_*). Returns [nd, Hq, D]."""
         return self._decode(q, layer, meta, scale)
+
+    def attends_prefills(self, q_heads: int) -> bool:
+        """Whether `prefill_attention` runs here for a layer of `q_heads` query heads: the
+        compiled kernel reads bf16 blocks in place (else prefill chunks go to SDPA)."""
+        kv_heads = self.spec.components[0].per_token_shape[-2]
+        return self._prefills_in_place and q_heads <= PREFILL_GROUP_MAX * kv_heads
+
+    def prefill_attention(
+        self, q: torch.Tensor, layer: int, segment: PrefillSegment, scale: float
+    ) -> torch.Tensor:
+        """Key/value layout, where `attends_prefills`. q [q_len, Hq, D]: a chunk of one
+        sequence's new tokens (already written), causal over its context (no sliding window).
+        Returns [q_len, Hq, D], the same bits whole or chunked."""
+        assert self.ops is not None  # attends_prefills holds only with ops
+        return self.ops.prefill_attention(
+            q,
+            self.store["key"][layer],
+            self.store["value"][layer],
+            segment.block_table[0],
+            segment.ctx_len - segment.q_len,
+            scale,
+        )
 
     def layer_storage(self, layer: int) -> tuple[torch.Tensor, ...]:
         """A layer's tensors as stored, then their scales, in spec order (for key/value:
@@ -283,6 +313,7 @@ class PagedKVCache:
         return x if x.dtype == self.compute_dtype else x.to(self.compute_dtype)
 
 
+PREFILL_GROUP_MAX = 48  # query heads per KV head the compiled prefill attention takes
 SDPA_SPAN = 256  # tokens: the PyTorch decode path's unit of key length
 
 

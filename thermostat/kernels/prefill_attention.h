@@ -1,0 +1,221 @@
+// Paged prefill attention (the AVX-512 build): a chunk of one sequence's new tokens, the rows at
+// positions start .. start + T - 1, attends causally to the sequence's context, read in place
+// through its block table (no gather, no mask tensor). cpu_kernels.cpp includes this after its
+// helpers (kLanes, exp_ps) and common.h's parallel_pieces.
+//
+// Flash attention's online softmax over tiles of kKeyTile keys, in bf16 dot products (vdpbf16ps)
+// for both Q K^T and P V, the weights P rounded to bf16 as PyTorch's flash attention rounds them
+// for bf16 inputs. An item is one KV head and up to kQueryLanes query vectors (rows x the head's
+// group of query heads); the lanes of a register run over those queries, so each key's score is
+// one vector, the softmax's max and sum are vertical, and a key's K pair is one broadcast. Keys
+// stream from the cache rows as they lie; V is paired (two keys' values interleaved) per tile.
+//
+// The same bits whole or in chunks: key tiles start at position 0 whatever chunk a row arrives
+// in, each query lane's arithmetic is its own, and a tile wholly past a row's position leaves the
+// row's state exactly as it was (max unchanged, correction exp(0) = 1, weights exp(-inf) = 0).
+// So a prompt's rows come out the same prefilled whole, in chunks, or after a prefix-cache hit.
+
+#pragma once
+
+constexpr int64_t kKeyTile = 32;
+constexpr int64_t kQueryVecs = 3;                      // query vectors (of kLanes) per item
+constexpr int64_t kQueryLanes = kQueryVecs * kLanes;  // 48 queries
+constexpr int64_t kKeyStep = 8;                        // keys per Q K^T register tile
+constexpr int64_t kValueStep = 8;                      // value pairs per P V register tile
+
+struct PrefillArgs {
+  const c10::BFloat16* q;
+  int64_t q_row, q_head;  // q's strides
+  const c10::BFloat16 *keys, *values;
+  const int64_t* table;
+  int64_t T, start, Hq, Hkv, D, block_size;
+  float scale;
+  c10::BFloat16* out;  // [T, Hq, D]
+};
+
+struct PrefillScratch {
+  std::vector<uint32_t> qpairs;      // [D / 2][kQueryLanes]: query m's dims (2p, 2p + 1)
+  std::vector<__m512> o;             // [D][kQueryVecs], dims in the paired order (paired_dim)
+  std::vector<uint32_t> vpairs;      // [kKeyTile / 2][D]: keys (2j, 2j + 1)'s values, paired
+  std::vector<float> rows;           // [D][kQueryLanes]: the output before it is scattered
+  __m512 s[kKeyTile][kQueryVecs];    // scores, then weights
+  __m512i p[kKeyTile / 2][kQueryVecs];  // weights of keys (2j, 2j + 1), bf16 pairs
+};
+
+// unpacklo/hi_epi16 pair two 32-dim rows lane by lane (128 bits): word w of the pair holds dim
+// paired_dim(w) of both keys.
+inline int64_t paired_dim(int64_t w) {
+  const int64_t base = (w / 32) * 32, i = w % 32, hi = i / 16, lane = (i % 16) / 4;
+  return base + lane * 8 + hi * 4 + i % 4;
+}
+
+inline __m512bh bf16_pairs(__m512 even, __m512 odd) {  // lane m: (even[m], odd[m]) in bf16
+  static const __m512i order = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return (__m512bh)_mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+}
+
+// Item (KV head h, rows [r0, r0 + rows)).
+inline void prefill_item(const PrefillArgs& a, int64_t h, int64_t r0, int64_t rows,
+                         PrefillScratch& s, const c10::BFloat16* zeros) {
+  const int64_t group = a.Hq / a.Hkv, D = a.D, pairs = D / 2, bs = a.block_size;
+  s.qpairs.assign(pairs * kQueryLanes, 0);
+  s.o.assign(D * kQueryVecs, _mm512_setzero_ps());
+  s.vpairs.resize(kKeyTile / 2 * D);
+  alignas(64) int32_t pos[kQueryLanes];
+  for (int64_t m = 0; m < kQueryLanes; ++m) {
+    const int64_t r = m / group, g = m % group;
+    pos[m] = r < rows ? static_cast<int32_t>(a.start + r0 + r) : -1;  // -1: every key masked
+    if (r >= rows) continue;
+    const auto* qrow = reinterpret_cast<const uint32_t*>(a.q + (r0 + r) * a.q_row +
+                                                         (h * group + g) * a.q_head);
+    for (int64_t p = 0; p < pairs; ++p) s.qpairs[p * kQueryLanes + m] = qrow[p];
+  }
+  __m512i posv[kQueryVecs];
+  __m512 top[kQueryVecs], sum[kQueryVecs];
+  for (int64_t v = 0; v < kQueryVecs; ++v) {
+    posv[v] = _mm512_load_si512(pos + v * kLanes);
+    top[v] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    sum[v] = _mm512_setzero_ps();
+  }
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t last = a.start + r0 + rows - 1;  // the last position any row attends
+  const c10::BFloat16 *krow[kKeyTile], *vrow[kKeyTile];
+  for (int64_t t0 = 0; t0 <= last; t0 += kKeyTile) {
+    for (int64_t j = 0; j < kKeyTile; ++j) {  // keys past `last` are masked for every row
+      const int64_t t = t0 + j;
+      const int64_t at = t <= last ? (a.table[t / bs] * bs + t % bs) * a.Hkv + h : -1;
+      krow[j] = at < 0 ? zeros : a.keys + at * D;
+      vrow[j] = at < 0 ? zeros : a.values + at * D;
+    }
+    // scores s[j][v] = scale q . k_j, -inf past the lane's position
+    for (int64_t j0 = 0; j0 < kKeyTile; j0 += kKeyStep) {
+      __m512 acc[kKeyStep][kQueryVecs];
+      for (auto& row : acc) for (auto& x : row) x = _mm512_setzero_ps();
+      for (int64_t p = 0; p < pairs; ++p) {
+        __m512bh qv[kQueryVecs];
+        for (int64_t v = 0; v < kQueryVecs; ++v) {
+          qv[v] = (__m512bh)_mm512_loadu_si512(s.qpairs.data() + p * kQueryLanes + v * kLanes);
+        }
+        for (int64_t j = 0; j < kKeyStep; ++j) {
+          const auto kp = (__m512bh)_mm512_set1_epi32(
+              static_cast<int>(reinterpret_cast<const uint32_t*>(krow[j0 + j])[p]));
+          for (int64_t v = 0; v < kQueryVecs; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], qv[v], kp);
+        }
+      }
+      for (int64_t j = 0; j < kKeyStep; ++j) {
+        const __m512i t = _mm512_set1_epi32(static_cast<int>(t0 + j0 + j));
+        for (int64_t v = 0; v < kQueryVecs; ++v) {
+          const __mmask16 masked = _mm512_cmpgt_epi32_mask(t, posv[v]);
+          s.s[j0 + j][v] = _mm512_mask_blend_ps(
+              masked, _mm512_mul_ps(acc[j][v], _mm512_set1_ps(a.scale)), minus_inf);
+        }
+      }
+    }
+    // online softmax: the new max, the old state's correction, the tile's weights
+    __m512 corr[kQueryVecs];
+    for (int64_t v = 0; v < kQueryVecs; ++v) {
+      __m512 m = top[v];
+      for (int64_t j = 0; j < kKeyTile; ++j) m = _mm512_max_ps(m, s.s[j][v]);
+      const __mmask16 none = _mm512_cmp_ps_mask(m, minus_inf, _CMP_EQ_OQ);
+      const __m512 shift = _mm512_mask_blend_ps(none, m, _mm512_setzero_ps());
+      corr[v] = exp_ps(_mm512_sub_ps(top[v], shift));
+      __m512 add = _mm512_setzero_ps();
+      for (int64_t j = 0; j < kKeyTile; ++j) {
+        s.s[j][v] = exp_ps(_mm512_sub_ps(s.s[j][v], shift));
+        add = _mm512_add_ps(add, s.s[j][v]);
+      }
+      sum[v] = _mm512_fmadd_ps(sum[v], corr[v], add);
+      top[v] = m;
+      for (int64_t j = 0; j < kKeyTile; j += 2) {
+        s.p[j / 2][v] = (__m512i)bf16_pairs(s.s[j][v], s.s[j + 1][v]);
+      }
+    }
+    // values of keys (2j, 2j + 1) interleaved, 32 dims at a time
+    for (int64_t j = 0; j < kKeyTile; j += 2) {
+      for (int64_t c = 0; c < D; c += 32) {
+        const __m512i even = _mm512_loadu_si512(vrow[j] + c), odd = _mm512_loadu_si512(vrow[j + 1] + c);
+        uint32_t* dst = s.vpairs.data() + (j / 2) * D + c;
+        _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(even, odd));
+        _mm512_storeu_si512(dst + 16, _mm512_unpackhi_epi16(even, odd));
+      }
+    }
+    // o = corr o + P V, kValueStep paired dims at a time
+    for (int64_t w0 = 0; w0 < D; w0 += kValueStep) {
+      __m512 acc[kValueStep][kQueryVecs];
+      for (int64_t w = 0; w < kValueStep; ++w) {
+        for (int64_t v = 0; v < kQueryVecs; ++v) {
+          acc[w][v] = _mm512_mul_ps(s.o[(w0 + w) * kQueryVecs + v], corr[v]);
+        }
+      }
+      for (int64_t jp = 0; jp < kKeyTile / 2; ++jp) {
+        const uint32_t* vp = s.vpairs.data() + jp * D + w0;
+        for (int64_t w = 0; w < kValueStep; ++w) {
+          const auto vv = (__m512bh)_mm512_set1_epi32(static_cast<int>(vp[w]));
+          for (int64_t v = 0; v < kQueryVecs; ++v) {
+            acc[w][v] = _mm512_dpbf16_ps(acc[w][v], (__m512bh)s.p[jp][v], vv);
+          }
+        }
+      }
+      for (int64_t w = 0; w < kValueStep; ++w) {
+        for (int64_t v = 0; v < kQueryVecs; ++v) s.o[(w0 + w) * kQueryVecs + v] = acc[w][v];
+      }
+    }
+  }
+  s.rows.resize(D * kQueryLanes);
+  for (int64_t w = 0; w < D; ++w) {
+    for (int64_t v = 0; v < kQueryVecs; ++v) {
+      _mm512_storeu_ps(s.rows.data() + paired_dim(w) * kQueryLanes + v * kLanes,
+                       _mm512_div_ps(s.o[w * kQueryVecs + v], sum[v]));
+    }
+  }
+  for (int64_t m = 0; m < rows * group; ++m) {
+    c10::BFloat16* orow = a.out + ((r0 + m / group) * a.Hq + h * group + m % group) * D;
+    for (int64_t d = 0; d < D; ++d) orow[d] = c10::BFloat16(s.rows[d * kQueryLanes + m]);
+  }
+}
+
+// q [T, Hq, D] bf16 (D contiguous; rows and heads may be strided), the rows at positions
+// start .. start + T - 1 of a sequence whose blocks are `table` [nb] int64 in caches
+// [num_blocks, block_size, Hkv, D] bf16 (the chunk's own K/V already written). Returns
+// [T, Hq, D]: row t attends to positions 0 .. start + t.
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor key_cache,
+                                torch::Tensor value_cache, torch::Tensor table, int64_t start,
+                                double scale) {
+  TORCH_CHECK_VALUE(q.dim() == 3 && q.stride(2) == 1 && q.scalar_type() == at::kBFloat16 &&
+                        q.size(0) >= 1,
+                    "prefill_attention: q must be [T, Hq, D] bfloat16 with D contiguous");
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
+  auto none = torch::empty({0}, q.options().dtype(at::kFloat));
+  check_caches(key_cache, value_cache, none, none, Hq, D, at::kBFloat16);
+  const int64_t Hkv = key_cache.size(2), bs = key_cache.size(1);
+  TORCH_CHECK_VALUE(D % 32 == 0 && Hq / Hkv <= kQueryLanes,
+                    "prefill_attention: head_dim must be a multiple of 32, the group at most 48");
+  TORCH_CHECK_VALUE(table.dim() == 1 && table.is_contiguous() && table.scalar_type() == at::kLong,
+                    "prefill_attention: table must be [nb] int64");
+  TORCH_CHECK_VALUE(start >= 0 && start + T <= table.size(0) * bs,
+                    "prefill_attention: the rows lie outside the block table");
+  const int64_t* tp = table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < (start + T + bs - 1) / bs; ++i) {
+    TORCH_CHECK_VALUE(tp[i] >= 0 && tp[i] < key_cache.size(0),
+                      "prefill_attention: block id out of range");
+  }
+  auto out = torch::empty({T, Hq, D}, q.options());
+  const PrefillArgs args{q.data_ptr<c10::BFloat16>(), q.stride(0), q.stride(1),
+                         key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>(),
+                         tp, T, start, Hq, Hkv, D, bs, static_cast<float>(scale),
+                         out.data_ptr<c10::BFloat16>()};
+  const int64_t rows = std::max<int64_t>(1, kQueryLanes / (Hq / Hkv));
+  const int64_t tiles = (T + rows - 1) / rows;
+  const std::vector<c10::BFloat16> zeros(D, c10::BFloat16(0.0f));
+  // the last rows attend to the most keys: handed out first, so the threads end together
+  parallel_pieces(Hkv * tiles, 4, [&](int64_t b, int64_t e) {
+    PrefillScratch scratch;
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t tile = tiles - 1 - i / Hkv, r0 = tile * rows;
+      prefill_item(args, i % Hkv, r0, std::min(rows, T - r0), scratch, zeros.data());
+    }
+  });
+  return out;
+}
