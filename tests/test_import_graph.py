@@ -2,7 +2,9 @@
 code, the KV transfer or the engine's server (`server/`): read from the import graph itself
 (every `import` in every module, at any depth, so a lazy import inside a function counts too),
 except under `if TYPE_CHECKING:` and in a package's module-level `__getattr__` (PEP 562: it runs
-only when that lazily exported name is asked for, as `thermostat.LLM` is)."""
+only when that lazily exported name is asked for, as `thermostat.LLM` is). Two rules read more:
+an edge module names no `server/` module even for typing, and neither the edge nor `server/`
+reaches a command module (`commands/`: what the commands share is a library they call)."""
 
 from __future__ import annotations
 
@@ -48,9 +50,10 @@ def _not_run_on_import(node: ast.AST) -> bool:
 
 
 @cache
-def imports_of(name: str) -> frozenset[str]:
+def imports_of(name: str, typing: bool = False) -> frozenset[str]:
     """The modules `name` imports (each `from a.b import c` as a.b and, if a module, a.b.c);
-    a submodule also imports its parent packages, as Python runs them first."""
+    a submodule also imports its parent packages, as Python runs them first. `typing`: those of
+    `if TYPE_CHECKING:` blocks too."""
     path = module_path(name)
     if path is None:
         return frozenset()
@@ -61,7 +64,7 @@ def imports_of(name: str) -> frozenset[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef) and node in tree.body and _not_run_on_import(node):
             skip.update(id(n) for n in ast.walk(node))
-        elif isinstance(node, ast.If) and _not_run_on_import(node):
+        elif isinstance(node, ast.If) and _not_run_on_import(node) and not typing:
             skip.update(id(n) for child in node.body for n in ast.walk(child))
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -122,12 +125,29 @@ def test_the_edge_and_the_gateway_never_reach_torch_or_the_engine(module):
     assert not bad, "\n".join(chain(seen, name) for name in bad)
 
 
+@pytest.mark.parametrize("module", TORCH_FREE_MODULES)
+def test_the_edge_names_no_server_module_even_for_typing(module):
+    bad = sorted(n for n in imports_of(module, typing=True) if n.startswith("thermostat.server"))
+    assert not bad, f"{module} imports {bad}"
+
+
+@pytest.mark.parametrize(
+    "module", modules_under("thermostat.api") + modules_under("thermostat.server")
+)
+def test_the_edge_and_the_server_reach_no_command_module(module):
+    seen = reached(module)
+    bad = sorted(n for n in seen if n.startswith("thermostat.commands"))
+    assert not bad, "\n".join(chain(seen, name) for name in bad)
+
+
 def test_the_graph_sees_imports_inside_functions_and_skips_type_checking_blocks():
     assert "torch" in imports_of("thermostat.models.llama")  # a sanity check of the reader
     assert "thermostat.server.app" in imports_of("thermostat.server.command")  # in a function
     assert "thermostat.engine.loader" in imports_of("thermostat.llm")  # imported in __init__
     assert "thermostat.llm" not in imports_of("thermostat")  # PEP 562 __getattr__ only
     assert len(TORCH_FREE_MODULES) > 20
+    assert "thermostat.engine.llm_engine" in imports_of("thermostat.server.engine_io", typing=True)
+    assert "thermostat.engine.llm_engine" not in imports_of("thermostat.server.engine_io")
 
 
 def test_no_import_cycle_between_server_state_and_systemd():

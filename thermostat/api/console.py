@@ -168,7 +168,7 @@ def run_check(url: str, api_key: str | None) -> dict[str, Any]:
 
     import httpx
 
-    from thermostat.commands.verify import Client, verify
+    from thermostat.quality.server_checks import Client, verify
 
     start = time.time()
     try:

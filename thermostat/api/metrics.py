@@ -6,7 +6,8 @@ thread's latest stats snapshot at scrape time.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -20,8 +21,19 @@ from prometheus_client import (
 from thermostat.api.traffic import Traffic
 from thermostat.sampling import Resolution
 
-if TYPE_CHECKING:  # the gateway uses these metrics without the engine (and torch)
-    from thermostat.server.engine_io import EngineStats
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine right after a step or a batch of commands (counts are requests / blocks)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks held by requests
+    prefix_cache_queries: int = 0  # in blocks, since start
+    prefix_cache_hits: int = 0
+
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

@@ -173,7 +173,7 @@ def local_generator(
 def remote_generator(
     url: str, model: str | None, api_key: str | None, max_tokens: int, endpoint: str
 ):
-    from thermostat.commands.verify import Client
+    from thermostat.quality.server_checks import Client
 
     client = Client(url, model, api_key, endpoint=endpoint)
 

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from thermostat.api.errors import EngineError
+from thermostat.api.metrics import EngineStats
 from thermostat.engine.llm_engine import LLMEngine
 from thermostat.engine.outputs import RequestDelta
 from thermostat.server.engine_io import (
@@ -48,7 +49,6 @@ from thermostat.server.engine_io import (
     Add,
     Call,
     Command,
-    EngineStats,
     GroupInput,
     OutputStream,
     Stop,

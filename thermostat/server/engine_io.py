@@ -1,6 +1,6 @@
 """What crosses between the event loop and the engine thread (server/async_engine.py): commands
-(a group of engine requests, an abort, a call) going in, the engine's counters and each group's
-deltas coming out."""
+(a group of engine requests, an abort, a call) going in, each group's deltas coming out (the
+engine's counters: thermostat.api.metrics.EngineStats)."""
 
 from __future__ import annotations
 
@@ -26,19 +26,6 @@ class GroupInput:
     plan: Plan
     handoff: bool = False  # prefill role: compute, sample the first token, hand over
     handoffs: list[Handoff] | None = None  # decode role: a prefill's handoff per choice
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """The engine right after a step or a batch of commands (counts are requests / blocks)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_blocks: int = 0
-    num_free_blocks: int = 0
-    kv_cache_usage: float = 0.0  # fraction of blocks held by requests
-    prefix_cache_queries: int = 0  # in blocks, since start
-    prefix_cache_hits: int = 0
 
 
 class OutputStream:
