@@ -204,10 +204,12 @@ def test_page_shows_defaults_traffic_and_requests(browser: Any) -> None:
         page, errors = open_console(browser, server.url)
         page.wait_for_selector("#defaults-table tbody tr")
         reported = httpx.get(server.url + "/v1/sampling/defaults").json()
-        assert defaults_table(page) == {
+        table = defaults_table(page)
+        assert table == {
             name: (shown(value), shown(reported["source"].get(name)))
             for name, value in reported["effective"].items()
-        }
+        } | {"max_tokens": ("prompt's room", "context_length")}  # as the startup table says
+        assert reported["effective"]["max_tokens"] is None
         warnings = page.locator("#warnings li").all_inner_texts()
         assert warnings == reported["warnings"] and "generic" in warnings[0]
         assert page.locator("#facts").inner_text().count("demo") >= 1

@@ -119,13 +119,18 @@ function renderFacts(facts) {
   }));
 }
 
+// As the startup table says it: an unset max_tokens is the room the prompt leaves in the context.
+function effectiveDefault(name, value) {
+  return name === "max_tokens" && value === null ? "prompt's room" : show(value);
+}
+
 function renderDefaults(d) {
   const gen = (d.generation_config || {}).values || {};
   const rec = (d.recommended || {}).values || {};
   $("defaults-table").tBodies[0].replaceChildren(...Object.keys(d.effective).map((name) =>
     el("tr", { dataset: { param: name } },
       el("td", {}, name),
-      el("td", { className: "value" }, show(d.effective[name])),
+      el("td", { className: "value" }, effectiveDefault(name, d.effective[name])),
       el("td", { className: "source" }, show(d.source[name])),
       el("td", {}, show(gen[name])),
       el("td", {}, show(rec[name])))));
