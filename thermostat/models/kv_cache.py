@@ -93,8 +93,7 @@ class PagedKVCache:
         self._prefills_in_place = (
             self.ops is not None
             and self.ops.has_prefill_attention
-            and spec.dtype == compute_dtype == torch.bfloat16
-            and not spec.quantized
+            and spec.dtype == compute_dtype == torch.bfloat16  # (so not fp8)
             and head_dim % 32 == 0
             and head_dim <= 256
         )
