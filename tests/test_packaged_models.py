@@ -56,7 +56,7 @@ def test_the_case_on_the_real_model_greedy_loops_and_diagnose_names_it():
     loop or repeat HTML ids at a rate the quality detectors measure, its answers sampled at the
     engine's defaults (no generation_config.json in the file: temperature 1) far less, and
     `diagnose`'s rule names greedy decoding. (The model card's temperature 0.2 loops as greedy
-    does on this 135M model: README, "The case on a real model".)"""
+    does on this 135M model: docs/commands.md, "The case on a real model".)"""
     prompts = [line for line in CASE_PROMPTS.read_text().splitlines() if line.strip()]
     assert len(prompts) == 32
     llm = LLM(NAME)

@@ -285,7 +285,7 @@ def write_model(
     return path
 
 
-# Shaped like SmolLM2-135M: the benchmark model of the README.
+# Shaped like SmolLM2-135M: the benchmarks' model (docs/benchmarks.md).
 SMOLLM2_135M = dict(
     hidden_size=576,
     intermediate_size=1536,

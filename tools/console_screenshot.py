@@ -1,4 +1,4 @@
-"""Make docs/console.png, the README's console screenshot: `thermostat serve` on the demo model,
+"""Make docs/console.png, the console page's screenshot (docs/console.md): `thermostat serve` on the demo model,
 100 s of mixed traffic from a few clients (40% greedy, which loops), the 10-minute window and a
 "Check now", in Debian's Chromium.
 
