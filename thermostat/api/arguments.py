@@ -8,8 +8,8 @@ import os
 
 def add_listen_arguments(p: argparse.ArgumentParser) -> None:
     """--host and --port (serve and gateway)."""
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="the port to listen on")
 
 
 def add_stop_on_loop_argument(g: argparse._ActionsContainer) -> None:

@@ -59,13 +59,15 @@ class Result:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", help="server base URL, e.g. http://127.0.0.1:8000 (a /v1 suffix is ok)")
     p.add_argument("--model", help="model name (default: the first of GET /v1/models)")
-    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument(
+        "--endpoint", choices=["completions", "chat"], default="completions", help="the API to load"
+    )
+    p.add_argument("--num-requests", type=int, default=100, help="requests in the run")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=int, help="requests in flight at once (default 8)")
     load.add_argument("--request-rate", type=float, help="Poisson arrivals per second")
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (random words)")
+    p.add_argument("--output-tokens", type=int, default=128, help="max_tokens, with ignore_eos")
     p.add_argument(
         "--temperature",
         type=float,

@@ -202,7 +202,7 @@ def keep_on_console(url: str, api_key: str | None, result: dict) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", help="model directory ('demo'), or name with --url")
     p.add_argument("--url", help="diagnose a running server (decoding factor only)")
-    p.add_argument("--api-key")
+    p.add_argument("--api-key", help="with --url: sent as Authorization: Bearer KEY")
     p.add_argument(
         "--endpoint",
         choices=["completions", "chat", "responses", "messages"],
@@ -211,15 +211,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "model, chat renders each prompt as a user message through its chat template",
     )
     p.add_argument("--prompts", type=Path, help="a text file, one prompt per line")
-    p.add_argument("--max-tokens", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-tokens", type=int, default=200, help="tokens per answer")
+    p.add_argument("--seed", type=int, default=0, help="the first sampled answer's seed")
+    p.add_argument("--dtype", default="auto", help="the compute dtype, as for serve")
     p.add_argument(
         "--weights",
         default="checkpoint,int8",
         help="weight formats to compare, comma-separated: checkpoint (as stored), int8, int4",
     )
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -39,10 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("request", nargs="?", help="REQUEST.json, or - for stdin (default: {})")
     p.add_argument("--model", help="model directory ('demo' for the bundled model)")
     p.add_argument("--sampling-defaults", metavar="SPEC", help="as for serve")
-    p.add_argument("--min-temperature", type=float)
-    p.add_argument("--greedy", choices=["allow", "reject"], default="allow")
-    p.add_argument("--api-key")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--min-temperature", type=float, metavar="T", help="as for serve")
+    p.add_argument("--greedy", choices=["allow", "reject"], default="allow", help="as for serve")
+    p.add_argument("--api-key", help="with a URL: sent as Authorization: Bearer KEY")
+    p.add_argument("--json", action="store_true", help="print the table as JSON")
 
 
 def _read_request(arg: str | None) -> Any:

@@ -26,11 +26,11 @@ Servers read the file at startup: restart them after the change.
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", help="a Hugging Face model directory")
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-p", type=float)
+    p.add_argument("--temperature", type=float, help="0 makes the default greedy")
+    p.add_argument("--top-p", type=float, help="in (0, 1]")
     p.add_argument("--top-k", type=int, help="-1 turns top-k off")
-    p.add_argument("--min-p", type=float)
-    p.add_argument("--repetition-penalty", type=float)
+    p.add_argument("--min-p", type=float, help="in [0, 1]")
+    p.add_argument("--repetition-penalty", type=float, help="> 0; 1 is off")
     p.add_argument(
         "--recommended",
         action="store_true",

@@ -62,7 +62,12 @@ def _beside_python(name: str) -> str | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", choices=["single", "pd"], default="single")
+    p.add_argument(
+        "--mode",
+        choices=["single", "pd"],
+        default="single",
+        help="single: one server; pd: prefill and decode servers behind smg",
+    )
     p.add_argument("--model", required=True, help="model directory, or 'demo'")
     p.add_argument("--out", type=Path, required=True, help="where to write the unit files")
     p.add_argument("--user", action="store_true", help="user units: systemctl --user")
@@ -70,9 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="the server's (pd: the router's) address")
     p.add_argument("--port", type=int, default=8000, help="single mode: the server's port")
     p.add_argument("--router-port", type=int, default=8000, help="pd mode: the router's port")
-    p.add_argument("--prefill-port", type=int, default=8100)
-    p.add_argument("--decode-port", type=int, default=8200)
-    p.add_argument("--bootstrap-port", type=int, default=8998)
+    p.add_argument("--prefill-port", type=int, default=8100, help="pd mode: the prefill server's")
+    p.add_argument("--decode-port", type=int, default=8200, help="pd mode: the decode server's")
+    p.add_argument(
+        "--bootstrap-port", type=int, default=8998, help="pd mode: the prefill's KV bootstrap"
+    )
     p.add_argument("--prometheus-port", type=int, default=29000, help="smg's /metrics")
     p.add_argument(
         "--serve-args",

@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "speaks; messages: Anthropic's Messages API, as Claude Code speaks)",
     )
     p.add_argument("--max-tokens", type=int, default=48, help="per request (x4 for the probe)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the checks as JSON")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -49,11 +49,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", help="the name clients use (default: directory name)")
     add_listen_arguments(p)
     e = p.add_argument_group("engine")
-    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    e.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the compute dtype (auto: the one config.json declares, float32 if none)",
+    )
     e.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3"],
+        help="the KV cache dtype (auto: the compute dtype; fp8_e4m3: a scale per head vector)",
     )
     e.add_argument(
         "--quantization",
@@ -85,9 +91,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="requests propose only while at most N run (a step's cost grows with its rows "
         "once the weights' reading no longer dominates)",
     )
-    e.add_argument("--max-num-seqs", type=int, default=ENGINE_DEFAULTS.max_num_seqs)
     e.add_argument(
-        "--max-num-batched-tokens", type=int, default=ENGINE_DEFAULTS.max_num_batched_tokens
+        "--max-num-seqs",
+        type=int,
+        default=ENGINE_DEFAULTS.max_num_seqs,
+        help="sequences running at once at most",
+    )
+    e.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=ENGINE_DEFAULTS.max_num_batched_tokens,
+        help="tokens per engine step at most (longer prompts are prefilled in chunks)",
     )
     e.add_argument(
         "--kv-cache-memory-gb",
@@ -99,7 +113,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ),
     )
     e.add_argument("--max-model-len", type=int, help="default: the model's context length")
-    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of a prompt's prefix that an earlier request computed",
+    )
     e.add_argument("--num-threads", type=int, help="torch threads (default: all cores)")
     add_stop_on_loop_argument(e)
     s = p.add_argument_group("sampling")
