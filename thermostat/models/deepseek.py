@@ -32,11 +32,10 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import CacheComponent, KVCacheSpec
-from thermostat.models.layers import MLP, DecoderStack, Filled, PreNormLayer, StackArch
+from thermostat.models.layers import MLP, DecoderStack, Filled, StackArch
 from thermostat.models.mla import MLAArch, MLAttention
 from thermostat.models.moe import MoEArch, SparseMoE, expert_target
 from thermostat.models.next_n import NextNLayer, next_n_name
@@ -133,24 +132,19 @@ class DeepseekModel(DecoderStack[DeepseekArch]):
     """A thermostat.models.registry.CausalLM for DeepseekV2ForCausalLM and
     DeepseekV3ForCausalLM checkpoints."""
 
-    def __init__(
-        self,
-        arch: DeepseekArch,
-        config: PretrainedConfig,
-        dtype: torch.dtype,
-        max_positions: int,
-        ops: CpuOps | None = None,
-    ) -> None:
-        super().__init__(arch, config, dtype, max_positions, ops)
-        self.num_next_n = arch.num_next_n
+    arch_type = DeepseekArch
+
+    def _build(self, config: PretrainedConfig, dtype: torch.dtype, max_positions: int) -> None:
+        a = self.arch
+        self.num_next_n = a.num_next_n
         if self.num_next_n:
             self.next_n = nn.ModuleList(
                 NextNLayer(
-                    arch.hidden_size,
-                    arch.vocab_size,
-                    arch.rms_norm_eps,
-                    self._layer(arch.num_layers + j),
-                    ops,
+                    a.hidden_size,
+                    a.vocab_size,
+                    a.rms_norm_eps,
+                    self._layer(a.num_layers + j),
+                    self.ops,
                 )
                 for j in range(self.num_next_n)
             )
@@ -179,19 +173,12 @@ class DeepseekModel(DecoderStack[DeepseekArch]):
 
     def _layer(self, i: int) -> nn.Module:
         a, ops = self.arch, self.ops
-        attn = MLAttention(a.mla, i, ops)
-        mlp: nn.Module
+        moe = None
         if a.moe is not None and a.is_moe_layer(i):
             size = a.moe.shared_intermediate_size
             shared = MLP(a.hidden_size, size, a.mlp_bias, ops) if size else None
-            mlp = SparseMoE(a.moe, a.hidden_size, ops, shared)
-        else:
-            mlp = MLP(a.hidden_size, a.intermediate_size, a.mlp_bias, ops)
-        return PreNormLayer(a.hidden_size, a.rms_norm_eps, attn, mlp, ops)
-
-    @classmethod
-    def arch_from_config(cls, config: PretrainedConfig, architecture: str) -> DeepseekArch:
-        return DeepseekArch.from_config(config, architecture)
+            moe = SparseMoE(a.moe, a.hidden_size, ops, shared)
+        return self._pre_norm_layer(MLAttention(a.mla, i, ops), moe)
 
     def cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """One "latent" of [kv_lora_rank + qk_rope_head_dim] per token and layer."""

@@ -222,17 +222,12 @@ class V4Layer(nn.Module):
 class DeepseekV4Model(DecoderStack[V4Arch]):
     """A thermostat.models.registry.CausalLM for DeepseekV4ForCausalLM checkpoints."""
 
-    def __init__(
-        self,
-        arch: V4Arch,
-        config: PretrainedConfig,
-        dtype: torch.dtype,
-        max_positions: int,
-        ops: CpuOps | None = None,
-    ) -> None:
-        super().__init__(arch, config, dtype, max_positions, ops)
-        self.norm = Fp32RMSNorm(arch.hidden_size, arch.rms_norm_eps)  # type: ignore[assignment]
-        self.hc_head = HyperHead(arch.hc_mult, arch.hidden_size, arch.hc_eps, arch.rms_norm_eps)
+    arch_type = V4Arch
+
+    def _build(self, config: PretrainedConfig, dtype: torch.dtype, max_positions: int) -> None:
+        a = self.arch
+        self.norm = Fp32RMSNorm(a.hidden_size, a.rms_norm_eps)  # type: ignore[assignment]
+        self.hc_head = HyperHead(a.hc_mult, a.hidden_size, a.hc_eps, a.rms_norm_eps)
         self.rope = V4Rope(config, max_positions, dtype)
         self.compute_dtype = dtype
         for name, param in self.named_parameters():
@@ -241,10 +236,6 @@ class DeepseekV4Model(DecoderStack[V4Arch]):
 
     def _layer(self, i: int) -> nn.Module:
         return V4Layer(self.arch, i, self.ops)
-
-    @classmethod
-    def arch_from_config(cls, config: PretrainedConfig, architecture: str) -> V4Arch:
-        return V4Arch.from_config(config, architecture)
 
     def cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         return v4_cache_spec(self.arch, block_size, dtype, self.compute_dtype)

@@ -30,9 +30,8 @@ from torch import nn
 from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata, windowed
 from thermostat.models.gqa import Attention, AttentionArch
-from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import KVCacheSpec
-from thermostat.models.layers import MLP, DecoderStack, PreNormLayer, RMSNorm
+from thermostat.models.layers import MLP, DecoderStack, LayerInputs, PreNormLayer, RMSNorm
 from thermostat.models.rope import RotaryEmbedding
 from thermostat.models.weights import Index, fused_target
 
@@ -95,56 +94,31 @@ class Gemma3Layer(PreNormLayer):
         self.pre_feedforward_layernorm = RMSNorm(size, eps, ops)
         self.post_feedforward_layernorm = RMSNorm(size, eps, ops)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        meta: AttentionMetadata,
-        cache: PagedKVCache,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.attend(x, residual, cos, sin, meta, cache)
+    def feed_forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         h = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(h), residual)
         y: torch.Tensor = self.post_feedforward_layernorm(self.mlp(h))
-        return y, residual
+        return y
 
 
 class Gemma3Model(DecoderStack[Gemma3Arch]):
     """A thermostat.models.registry.CausalLM for Gemma3ForCausalLM checkpoints."""
 
-    def __init__(
-        self,
-        arch: Gemma3Arch,
-        config: PretrainedConfig,
-        dtype: torch.dtype,
-        max_positions: int,
-        ops: CpuOps | None = None,
-    ) -> None:
-        super().__init__(arch, config, dtype, max_positions, ops)
-        self.rotary = rotary_of(config, "full_attention", arch.head_dim, max_positions, dtype)
-        self.local_rotary = rotary_of(
-            config, "sliding_attention", arch.head_dim, max_positions, dtype
-        )
-        self.embed_scale = torch.tensor(arch.hidden_size**0.5, dtype=dtype)
+    arch_type = Gemma3Arch
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        cache: PagedKVCache,
-    ) -> torch.Tensor:
-        tables = {False: self.rotary.tables(positions), True: self.local_rotary.tables(positions)}
-        metas = {False: meta, True: windowed(meta, self.arch.window)}
-        x: torch.Tensor = self.embed_tokens(input_ids) * self.embed_scale
-        residual: torch.Tensor | None = None
-        for i, layer in enumerate(self.layers):
-            local = i in self.arch.local_layers
-            x, residual = layer(x, residual, *tables[local], metas[local], cache)
-        assert residual is not None
-        return self.norm.add_forward(x, residual)
+    def _build(self, config: PretrainedConfig, dtype: torch.dtype, max_positions: int) -> None:
+        head_dim = self.arch.head_dim
+        self.rotary = rotary_of(config, "full_attention", head_dim, max_positions, dtype)
+        self.local_rotary = rotary_of(config, "sliding_attention", head_dim, max_positions, dtype)
+        self.embed_scale = torch.tensor(self.arch.hidden_size**0.5, dtype=dtype)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super()._embed(input_ids) * self.embed_scale
+
+    def _inputs(self, positions: torch.Tensor, meta: AttentionMetadata) -> list[LayerInputs]:
+        """A local layer's own rotary tables, its queries masked to the window."""
+        full = (*self.rotary.tables(positions), meta)
+        local = (*self.local_rotary.tables(positions), windowed(meta, self.arch.window))
+        return [local if i in self.arch.local_layers else full for i in range(len(self.layers))]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -154,10 +128,6 @@ class Gemma3Model(DecoderStack[Gemma3Arch]):
 
     def _layer(self, i: int) -> nn.Module:
         return Gemma3Layer(self.arch, i, self.ops)
-
-    @classmethod
-    def arch_from_config(cls, config: PretrainedConfig, architecture: str) -> Gemma3Arch:
-        return Gemma3Arch.from_config(config, architecture)
 
     def cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         a = self.arch

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -113,27 +113,17 @@ class PreNormLayer(nn.Module):
         """x: the previous layer's output, not yet added to `residual` (None before the first
         layer, where x is the embedding). Returns (this layer's output, residual): the residual
         stream is updated in place, each add fused with the norm that follows it."""
-        h, residual = self.attend(x, residual, cos, sin, meta, cache)
-        h = self.post_attention_layernorm.add_forward(h, residual)
-        y: torch.Tensor = self.mlp(h)
-        return y, residual
-
-    def attend(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        meta: AttentionMetadata,
-        cache: PagedKVCache,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x added to the residual stream (which it starts), normed, attended: (the attention's
-        output, the residual)."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h = self.input_layernorm.add_forward(x, residual)
-        return self.self_attn(h, cos, sin, meta, cache), residual
+        return self.feed_forward(self.self_attn(h, cos, sin, meta, cache), residual), residual
+
+    def feed_forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The attention's output `h` added to the residual stream (in place), normed, through
+        the MLP."""
+        y: torch.Tensor = self.mlp(self.post_attention_layernorm.add_forward(h, residual))
+        return y
 
 
 class Float32Module(nn.Module):
@@ -155,6 +145,11 @@ class StackArch:
     tie_word_embeddings: bool
     mlp_bias: bool
     max_position_embeddings: int
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig, arch: str) -> StackArch:
+        """The family's arch; ValueError or AttributeError for a config it cannot serve."""
+        raise NotImplementedError
 
     @staticmethod
     def common_fields(config: PretrainedConfig, architecture: str) -> dict[str, Any]:
@@ -178,13 +173,16 @@ class StackArch:
 
 A = TypeVar("A", bound=StackArch)
 Filled = Callable[[str], bool]  # a loaded module's path -> whether it was replaced
+LayerInputs = tuple[torch.Tensor, torch.Tensor, AttentionMetadata]  # cos, sin, meta
 
 
 class DecoderStack(nn.Module, Generic[A]):
     """What every family's model shares: embeddings, a stack of layers that each take and
     return (hidden, residual), the final add + norm, the LM head (tied to the embeddings when
-    the arch says so). A family builds its layers in `_layer` and maps checkpoint names in
-    `_target`."""
+    the arch says so). A family names its arch in `arch_type`, builds its layers in `_layer`
+    and maps checkpoint names in `_target`."""
+
+    arch_type: type[StackArch]
 
     def __init__(
         self,
@@ -207,6 +205,15 @@ class DecoderStack(nn.Module, Generic[A]):
         self.layers = nn.ModuleList(self._layer(i) for i in range(arch.num_layers))
         self.rotary = RotaryEmbedding(config, arch.rotary_dim, max_positions, dtype)
         self._settle(dtype)
+        self._build(config, dtype, max_positions)
+
+    @classmethod
+    def arch_from_config(cls, config: PretrainedConfig, architecture: str) -> A:
+        return cast(A, cls.arch_type.from_config(config, architecture))
+
+    def _build(self, config: PretrainedConfig, dtype: torch.dtype, max_positions: int) -> None:
+        """What a family adds to the constructor, after the shared parts are settled (what it
+        builds here keeps the dtype it is made in)."""
 
     def _settle(self, dtype: torch.dtype) -> None:
         """Every parameter an untouched tensor in `dtype` (a Float32Module's in float32): no
@@ -221,6 +228,12 @@ class DecoderStack(nn.Module, Generic[A]):
         """Layer i, called as (x, residual, cos, sin, meta, cache) -> (x, residual)."""
         raise NotImplementedError
 
+    def _pre_norm_layer(self, attn: nn.Module, moe: nn.Module | None) -> PreNormLayer:
+        """A PreNormLayer of `attn` and `moe`, or the dense MLP where there is none."""
+        a = self.arch
+        mlp = MLP(a.hidden_size, a.intermediate_size, a.mlp_bias, self.ops) if moe is None else moe
+        return PreNormLayer(a.hidden_size, a.rms_norm_eps, attn, mlp, self.ops)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -230,13 +243,21 @@ class DecoderStack(nn.Module, Generic[A]):
         cache: PagedKVCache,
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
-        cos, sin = self.rotary.tables(positions)
-        x: torch.Tensor = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, meta, cache)
+        for layer, inputs in zip(self.layers, self._inputs(positions, meta), strict=True):
+            x, residual = layer(x, residual, *inputs, cache)
         assert residual is not None  # set by the first layer
         return self.norm.add_forward(x, residual)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input."""
+        x: torch.Tensor = self.embed_tokens(input_ids)
+        return x
+
+    def _inputs(self, positions: torch.Tensor, meta: AttentionMetadata) -> list[LayerInputs]:
+        """Each layer's rotary tables at `positions` and attention metadata, in layer order."""
+        return [(*self.rotary.tables(positions), meta)] * len(self.layers)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from thermostat.models.compiled_decode import CompiledDecode, compiled_decode
 from thermostat.models.gqa import Attention, AttentionArch
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import KVCacheSpec
-from thermostat.models.layers import MLP, DecoderStack, PreNormLayer
+from thermostat.models.layers import DecoderStack
 from thermostat.models.moe import MoEArch, SparseMoE, expert_target
 from thermostat.models.weights import Index, fused_target
 
@@ -85,6 +85,7 @@ class LlamaFamilyModel(DecoderStack[ModelArch]):
     """A thermostat.models.registry.CausalLM for Llama, Mistral, Qwen2, Qwen3, Mixtral and
     Qwen3-MoE checkpoints."""
 
+    arch_type = ModelArch
     _compiled: tuple[PagedKVCache, CompiledDecode | None] | None = None
 
     @torch.inference_mode()
@@ -108,17 +109,10 @@ class LlamaFamilyModel(DecoderStack[ModelArch]):
 
     def _layer(self, i: int) -> nn.Module:
         a, ops = self.arch, self.ops
-        attn = Attention(a, i, ops)
-        mlp: nn.Module
+        moe = None
         if a.moe is not None and i in a.moe_layers:
-            mlp = SparseMoE(a.moe, a.hidden_size, ops)
-        else:
-            mlp = MLP(a.hidden_size, a.intermediate_size, a.mlp_bias, ops)
-        return PreNormLayer(a.hidden_size, a.rms_norm_eps, attn, mlp, ops)
-
-    @classmethod
-    def arch_from_config(cls, config: PretrainedConfig, architecture: str) -> ModelArch:
-        return ModelArch.from_config(config, architecture)
+            moe = SparseMoE(a.moe, a.hidden_size, ops)
+        return self._pre_norm_layer(Attention(a, i, ops), moe)
 
     def cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """A key and a value of [num_kv_heads, head_dim] per token and layer."""
