@@ -30,6 +30,8 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 from bench_http import http_load, random_model, serving  # noqa: E402
+from results import Table as ResultTable  # noqa: E402
+from results import record  # noqa: E402
 
 from tools.chromium import launch  # noqa: E402
 
@@ -108,16 +110,30 @@ def main() -> None:
                         console.print(f"repeat {repeat} c={c} console {state}: {tok_s:.1f} tok/s")
     medians = {key: statistics.median(values) for key, values in runs.items()}
     table = Table(title=f"output tok/s, console closed vs open ({args.viewer}), medians")
+    recorded = ResultTable(
+        table.title or "", ["console", *(f"c={c}" for c in args.concurrency)], []
+    )
     table.add_column("console")
     for c in args.concurrency:
         table.add_column(f"c={c}", justify="right")
     for state in ("closed", "open"):
         table.add_row(state, *(f"{medians[(state, c)]:.1f}" for c in args.concurrency))
-    table.add_row(
-        "open / closed",
-        *(f"{medians[('open', c)] / medians[('closed', c)]:.3f}x" for c in args.concurrency),
-    )
+        recorded.rows.append([state, *(round(medians[(state, c)], 1) for c in args.concurrency)])
+    ratios = [medians[("open", c)] / medians[("closed", c)] for c in args.concurrency]
+    table.add_row("open / closed", *(f"{r:.3f}x" for r in ratios))
+    recorded.rows.append(["open / closed", *(round(r, 3) for r in ratios)])
     Console().print(table)
+    viewer_note = {
+        "browser": "Open: a headless Chromium tab on /console, on this same machine",
+        "poll": "Open: a client polling /v1/console/state every 2 s (the server's share alone)",
+    }
+    record(
+        "bench_console",
+        "What an open console costs the server: output tok/s over HTTP, console closed vs open",
+        [recorded],
+        notes=f"{viewer_note[args.viewer]}; medians of {args.repeats} interleaved repeats.",
+        threads=2,
+    )
 
 
 if __name__ == "__main__":

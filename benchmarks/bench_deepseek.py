@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 
 import torch
+from results import Table as ResultTable
+from results import record
 from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM
@@ -246,6 +248,19 @@ def main() -> None:
     table.add_column("KV bytes/token", justify="right")
     for batch in args.batches:
         table.add_column(f"{batch} seq", justify="right")
+    recorded = ResultTable(
+        str(table.title).replace(
+            "cells: median, x transformers, (range of runs)",
+            "per batch: the median, x transformers, the runs' minimum and maximum",
+        ),
+        ["engine, KV cache", "KV bytes/token"]
+        + [
+            f"{b} seq {what}"
+            for b in args.batches
+            for what in ("tok/s", "x transformers", "min", "max")
+        ],
+        [],
+    )
     labels = {
         "bf16": f"Thermostat, bf16 {holds}",
         "fp8": f"Thermostat, fp8 {holds}",
@@ -253,16 +268,34 @@ def main() -> None:
     }
     for name, label in labels.items():
         cells = []
+        kv = kv_bytes[name]
+        row: list[str | float | int | None] = [label, kv]
         for batch in args.batches:
             tok_s, spread = result["tok_s"][batch], runs[batch][name]
-            vs_hf = "" if name == "transformers" else f" {tok_s[name] / tok_s['transformers']:.1f}x"
+            ratio = None if name == "transformers" else tok_s[name] / tok_s["transformers"]
+            vs_hf = "" if ratio is None else f" {ratio:.1f}x"
             cells.append(f"{tok_s[name]:.1f}{vs_hf} ({min(spread):.1f}-{max(spread):.1f})")
-        kv = kv_bytes[name]
+            row += [
+                round(tok_s[name], 1),
+                None if ratio is None else round(ratio, 2),
+                round(min(spread), 1),
+                round(max(spread), 1),
+            ]
         table.add_row(label, "-" if kv is None else f"{kv:,}", *cells)
+        recorded.rows.append(row)
     load = result["load_average_1min"]
     out = console if args.json else Console()  # with --json, the table goes to stderr
     out.print(table)
-    out.print(f"1-minute load average: {load['before']:.2f} before, {load['after']:.2f} after")
+    load_note = f"1-minute load average: {load['before']:.2f} before, {load['after']:.2f} after"
+    out.print(load_note)
+    record(
+        f"bench_deepseek_{args.family}",
+        f"Output tok/s of a DeepSeek-{args.family.upper()}-shaped model: Thermostat (bf16 and "
+        "fp8 KV cache) vs transformers generate, same random weights",
+        [recorded],
+        notes=load_note + ".",
+        threads=result["threads"],
+    )
     if args.json:
         print(json.dumps(result, indent=2))
 

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 
 import torch
+from results import Table as ResultTable
+from results import record
 from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM
@@ -114,6 +116,7 @@ def compare_formats(model_dir: Path, args, bandwidth: float) -> None:
     first = args.formats[0]
     for fmt in args.formats[1:]:
         table.add_column(f"{fmt} / {first}", justify="right")
+    recorded = ResultTable(table.title or "", [str(c.header) for c in table.columns], [])
     results = []
     for batch in args.batches:
         runs: dict[str, list[float]] = {fmt: [] for fmt in args.formats}
@@ -130,11 +133,52 @@ def compare_formats(model_dir: Path, args, bandwidth: float) -> None:
         table.add_row(
             str(batch), *(f"{med[f]:.1f}" for f in args.formats), *(f"{r:.2f}x" for r in ratios)
         )
+        recorded.rows.append(
+            [batch, *(round(med[f], 1) for f in args.formats), *(round(r, 2) for r in ratios)]
+        )
     if args.json:
         print(json.dumps({"copy_bandwidth_gbs": bandwidth, "rows": results}, indent=2))
-        return
-    Console().print(table)
-    print(f"copy bandwidth {bandwidth:.1f} GB/s")
+    else:
+        Console().print(table)
+        print(f"copy bandwidth {bandwidth:.1f} GB/s")
+    record(
+        "bench_engine_formats",
+        "Thermostat's weight formats offline, SmolLM2-135M-shaped random weights",
+        [recorded],
+        notes=f"copy bandwidth {bandwidth:.1f} GB/s",
+    )
+
+
+def record_engine(rows: list[dict], args, kernel_state: str, note: str) -> None:
+    """The Thermostat vs transformers table as a result: medians, the ratio (the median of the
+    back-to-back pairs) and its range, TTFT of both."""
+    cells = []
+    for row in rows:
+        ours, ref = row["thermostat"], row["transformers"]
+        cells.append(
+            [
+                row["batch"],
+                round(ours["tok_s"], 1),
+                round(ref["tok_s"], 1) if ref else None,
+                round(row["ratio"], 2) if ref else None,
+                round(min(row["ratios"]), 2) if ref else None,
+                round(max(row["ratios"]), 2) if ref else None,
+                round(ours["ttft_s"], 2),
+                round(ref["ttft_s"], 2) if ref else None,
+            ]
+        )
+    columns = ["batch", "thermostat tok/s", "transformers tok/s", "ratio", "ratio min",
+               "ratio max", "TTFT ours (s)", "TTFT hf (s)"]  # fmt: skip
+    title = (
+        f"SmolLM2-135M-shaped, {args.dtype}, {torch.get_num_threads()} threads, medians of "
+        f"{args.repeats} alternating runs, CPU kernels {kernel_state}"
+    )
+    record(
+        "bench_engine",
+        "Output tok/s and TTFT offline: Thermostat vs transformers generate, same random weights",
+        [ResultTable(title, columns, cells)],
+        notes=note,
+    )
 
 
 def main() -> None:
@@ -214,9 +258,21 @@ def main() -> None:
         "bandwidth_bound_tok_s": bound,
         "rows": rows,
     }
+    batch1 = next((r["thermostat"]["tok_s"] for r in rows if r["batch"] == 1), None)
+    bandwidth_note = (
+        f"copy bandwidth {bandwidth:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB -> "
+        f"bound {bound:.1f} tok/s at batch 1"
+        + (f"; batch-1 decode reaches {batch1 / bound:.0%} of it" if batch1 else "")
+    )
     if args.json:
         print(json.dumps(result, indent=2))
-        return
+    else:
+        print_table(rows, args, kernel_state)
+        print(bandwidth_note)
+    record_engine(rows, args, kernel_state, bandwidth_note)
+
+
+def print_table(rows: list[dict], args, kernel_state: str) -> None:
     table = Table(
         title=f"SmolLM2-135M-shaped, {args.dtype}, {torch.get_num_threads()} threads, "
         f"medians of {args.repeats} alternating runs, "
@@ -242,12 +298,6 @@ def main() -> None:
             f"{ours['ttft_s']:.2f} / {ref['ttft_s']:.2f}" if ref else f"{ours['ttft_s']:.2f}",
         )
     Console().print(table)
-    batch1 = next((r["thermostat"]["tok_s"] for r in rows if r["batch"] == 1), None)
-    print(
-        f"copy bandwidth {bandwidth:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB -> "
-        f"bound {bound:.1f} tok/s at batch 1"
-        + (f"; batch-1 decode reaches {batch1 / bound:.0%} of it" if batch1 else "")
-    )
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_http import serving  # noqa: E402
+from results import Table as ResultTable  # noqa: E402
+from results import record  # noqa: E402
 
 console = Console(stderr=True)
 
@@ -122,12 +124,31 @@ def main() -> None:
         k: {m: statistics.median(x[m] for x in v) for m in ("ttft_ms", "tok_s")}
         for k, v in results.items()
     }
+    columns = ["concurrency", "direct TTFT ms", "gateway TTFT ms", "direct tok/s",
+               "gateway tok/s", "gateway/direct tok/s"]  # fmt: skip
+    title = f"gateway overhead ({args.output_tokens} tokens/request, medians)"
+    rows: list[list[str | float | int | None]] = []
+    for c in args.concurrency:
+        d, g = med[("direct", c)], med[("gateway", c)]
+        rows.append([c, round(d["ttft_ms"], 1), round(g["ttft_ms"], 1), round(d["tok_s"]),
+                     round(g["tok_s"]), round(g["tok_s"] / d["tok_s"], 2)])  # fmt: skip
     if args.json:
         print(json.dumps({f"{n}@c{c}": v for (n, c), v in med.items()}, indent=2))
-        return
-    table = Table(title=f"gateway overhead ({args.output_tokens} tokens/request, medians)")
-    for col in ("concurrency", "direct TTFT ms", "gateway TTFT ms", "direct tok/s",
-                "gateway tok/s", "gateway/direct tok/s"):  # fmt: skip
+    else:
+        print_table(title, columns, med, args)
+    record(
+        "bench_gateway",
+        "The gateway's overhead: TTFT and output tok/s through `thermostat gateway` vs direct",
+        [ResultTable(title, columns, rows)],
+        notes=f"Model: {'tiny random' if args.model is None else args.model.name}; "
+        f"{args.repeats} interleaved repeats; servers and client share this machine's cores.",
+        threads=1,
+    )
+
+
+def print_table(title: str, columns: list[str], med: dict, args: argparse.Namespace) -> None:
+    table = Table(title=title)
+    for col in columns:
         table.add_column(col, justify="right")
     for c in args.concurrency:
         d, g = med[("direct", c)], med[("gateway", c)]

@@ -50,6 +50,8 @@ from typing import Any
 import aiohttp
 import httpx
 import uvloop
+from results import Table as ResultTable
+from results import record
 from rich.console import Console
 from rich.table import Table
 
@@ -342,28 +344,39 @@ def main() -> None:
                     console.print(f"repeat {repeat} c={c} HTTP / offline: {ratio:.2f}x")
     medians = {key: statistics.median(values) for key, values in runs.items()}
     names = ["thermostat (HTTP)", "thermostat (offline engine)", *list(servers)[1:]]
+    columns = [f"c={c}" for c in args.concurrency]
     table = Table(title=f"output tok/s, {args.prompt_tokens}/{args.output_tokens} tokens, medians")
+    tok_s = ResultTable(table.title or "", ["contender", *columns], [])
     table.add_column("contender")
     for c in args.concurrency:
         table.add_column(f"c={c}", justify="right")
     for name in names:
         table.add_row(name, *(f"{medians[(name, c)]:.1f}" for c in args.concurrency))
+        tok_s.rows.append([name, *(round(medians[(name, c)], 1) for c in args.concurrency)])
     for name in names[1:]:
-        table.add_row(
-            f"HTTP / {name}",
-            *(
-                f"{medians[('thermostat (HTTP)', c)] / medians[(name, c)]:.2f}x"
-                for c in args.concurrency
-            ),
-        )
+        ratios = [medians[("thermostat (HTTP)", c)] / medians[(name, c)] for c in args.concurrency]
+        table.add_row(f"HTTP / {name}", *(f"{r:.2f}x" for r in ratios))
+        tok_s.rows.append([f"HTTP / {name}", *(round(r, 2) for r in ratios)])
     console.print(table)
     where = Table(title="CPU ms per output token, medians (2 cores: 2 x wall ms per token in all)")
+    cpu_ms = ResultTable(where.title or "", ["who", *columns], [])
     where.add_column("who")
     for c in args.concurrency:
         where.add_column(f"c={c}", justify="right")
     for part in dict.fromkeys(part for part, _ in cpu):
-        where.add_row(part, *(f"{statistics.median(cpu[(part, c)]):.3f}" for c in args.concurrency))
+        ms = [statistics.median(cpu[(part, c)]) for c in args.concurrency]
+        where.add_row(part, *(f"{m:.3f}" for m in ms))
+        cpu_ms.rows.append([part, *(round(m, 3) for m in ms)])
     console.print(where)
+    record(
+        "bench_http",
+        "Output tok/s over HTTP vs the same engine offline"
+        + (" and llama-server" if args.llama_server else ""),
+        [tok_s, cpu_ms],
+        notes="Each engine runs 2 threads; on 2 cores the load client's and the event loop's CPU "
+        "is taken from the engine's threads: that is the gap between HTTP and offline.",
+        threads=2,
+    )
     if args.json:
         print(json.dumps({f"{n}@{c}": v for (n, c), v in medians.items()}, indent=2))
 

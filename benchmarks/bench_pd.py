@@ -63,6 +63,8 @@ from typing import Any
 
 import httpx
 import torch
+from results import Table as ResultTable
+from results import record
 from rich.console import Console
 from rich.table import Table
 
@@ -156,15 +158,18 @@ def timed(fn: Callable[[], Any], repeats: int) -> list[float]:
 # -- 1. KV transfer ---------------------------------------------------------------------------
 
 
-def prefill(llm: LLM, prompt: list[int], group: str) -> tuple[Handoff, torch.Tensor]:
+Slots = torch.Tensor | list[torch.Tensor]  # what `cache.export` takes: one tensor or one per pool
+
+
+def prefill(llm: LLM, prompt: list[int], group: str) -> tuple[Handoff, Slots]:
     """The prompt's handoff as a prefill server gets it, and the cache slots its rows came from
     (caught on their way into `cache.export`; they stay intact until the engine's next step)."""
     engine = llm.engine
     export = engine.cache.export
-    slots: list[torch.Tensor] = []
+    slots: list[Slots] = []
 
-    def spy(s: torch.Tensor) -> Any:
-        slots.append(s.clone())
+    def spy(s: Slots) -> Any:
+        slots.append(s.clone() if isinstance(s, torch.Tensor) else [t.clone() for t in s])
         return export(s)
 
     engine.cache.export = spy  # type: ignore[method-assign]
@@ -265,15 +270,32 @@ def kv_transfer_one(model: Path, kv_dtype: str, args: argparse.Namespace) -> lis
     return rows
 
 
-def kv_table(rows: list[dict[str, Any]], args: argparse.Namespace, cpu: str) -> Table:
+def kv_table(
+    rows: list[dict[str, Any]], args: argparse.Namespace, cpu: str
+) -> tuple[Table, ResultTable]:
+    """The printed table and the same as a result (numbers at the printed precision)."""
     table = Table(
         title=f"KV handoff over loopback TCP (prefill -> decode, one process), {cpu}, "
         f"{args.threads} torch threads, medians of {args.kv_repeats}"
     )
     columns = ["KV dtype", "prompt tok", "bytes/tok", "MB/handoff", "export ms", "claim ms"]
-    for name in [*columns, "claim MB/s", "load ms", "total ms"]:
+    columns += ["claim MB/s", "load ms", "total ms"]
+    for name in columns:
         table.add_column(name, justify="left" if name == "KV dtype" else "right")
+    recorded = ResultTable(table.title or "", columns, [])
     for r in rows:
+        cells = [
+            r["kv_cache_dtype"],
+            r["prompt_tokens"],
+            round(r["bytes_per_token"]),
+            round(r["mb_per_handoff"], 2),
+            round(r["export_ms"], 2),
+            round(r["claim_ms"], 2),
+            round(r["claim_mb_s"]),
+            round(r["load_ms"], 2),
+            round(r["total_ms"], 2),
+        ]
+        recorded.rows.append(cells)
         table.add_row(
             r["kv_cache_dtype"],
             str(r["prompt_tokens"]),
@@ -285,7 +307,7 @@ def kv_table(rows: list[dict[str, Any]], args: argparse.Namespace, cpu: str) -> 
             f"{r['load_ms']:.2f}",
             f"{r['total_ms']:.2f}",
         )
-    return table
+    return table, recorded
 
 
 # -- 2. Topology vs one server ----------------------------------------------------------------
@@ -461,7 +483,10 @@ def topology(model: Path, args: argparse.Namespace, log_dir: Path, smg: str) -> 
     return {"single": single, "pd": pd}
 
 
-def topology_table(result: dict[str, Any], args: argparse.Namespace, cpu: str) -> Table:
+def topology_table(
+    result: dict[str, Any], args: argparse.Namespace, cpu: str
+) -> tuple[Table, ResultTable]:
+    """The printed table and the same as a result (numbers at the printed precision)."""
     table = Table(
         title=f"PD (prefill 1 thread + decode 1 thread + smg) vs one server (2 threads), {cpu}, "
         f"{args.prompt_tokens} prompt / {args.output_tokens} new tokens, streamed, C at a time; "
@@ -470,8 +495,22 @@ def topology_table(result: dict[str, Any], args: argparse.Namespace, cpu: str) -
     columns = ["C", "requests", "TTFT single", "TTFT PD", "PD/single"]
     for name in [*columns, "tok/s single", "tok/s PD", "PD/single "]:
         table.add_column(name, justify="right")
+    recorded_columns = [*columns[:4], "TTFT PD/single", "tok/s single", "tok/s PD"]
+    recorded = ResultTable(table.title or "", [*recorded_columns, "tok/s PD/single"], [])
     for c in args.concurrency:
         s, p = result["single"][c], result["pd"][c]
+        recorded.rows.append(
+            [
+                c,
+                max(c, args.requests),
+                round(s["ttft_p50_ms"]),
+                round(p["ttft_p50_ms"]),
+                round(p["ttft_p50_ms"] / s["ttft_p50_ms"], 2),
+                round(s["tok_s"], 1),
+                round(p["tok_s"], 1),
+                round(p["tok_s"] / s["tok_s"], 2),
+            ]
+        )
         table.add_row(
             str(c),
             str(max(c, args.requests)),
@@ -482,7 +521,7 @@ def topology_table(result: dict[str, Any], args: argparse.Namespace, cpu: str) -
             f"{p['tok_s']:.1f}",
             f"{p['tok_s'] / s['tok_s']:.2f}x",
         )
-    return table
+    return table, recorded
 
 
 def main() -> None:
@@ -516,10 +555,13 @@ def main() -> None:
         log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="bench-pd-logs-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         console.print(f"CPU: {cpu}; logs: {log_dir}", highlight=False)
-        tables = []
+        tables: list[Table] = []
+        recorded: list[ResultTable] = []
         if not args.skip_kv:
             result["kv_transfer"] = kv_transfer(model, args)
-            tables.append(kv_table(result["kv_transfer"], args, cpu))
+            table, as_result = kv_table(result["kv_transfer"], args, cpu)
+            tables.append(table)
+            recorded.append(as_result)
         if not args.skip_topology:
             try:
                 result["topology"] = topology(model, args, log_dir, smg)
@@ -527,12 +569,24 @@ def main() -> None:
                 console.print(f"[red]error:[/] {exc}; the last lines of {exc.child.log}:")
                 console.print(exc.child.tail(), highlight=False, markup=False)
                 raise SystemExit(1) from None
-            tables.append(topology_table(result["topology"], args, cpu))
+            table, as_result = topology_table(result["topology"], args, cpu)
+            tables.append(table)
+            recorded.append(as_result)
     result["elapsed_s"] = time.perf_counter() - t0
     wide = Console(stderr=True, width=max(console.width, 130))  # not squeezed to 80 in a pipe
     for table in tables:
         wide.print(table)
     console.print(f"run time {result['elapsed_s']:.0f} s")
+    record(
+        "bench_pd",
+        "Prefill/decode disaggregation: the KV handoff's cost, and PD vs one server",
+        recorded,
+        notes=""
+        if args.skip_topology
+        else "On this machine PD's two engines share the cores the single server has to itself: "
+        "the ratio is the split's overhead, not the capacity gain of separate machines.",
+        threads=args.threads,
+    )
     if args.json:
         print(json.dumps(result, indent=2))
 

@@ -28,6 +28,9 @@ sys.path.insert(0, str(PEERS_SCRIPTS))
 from bench_llamacpp import BIN_DIR, PEERS_DIR, free_port, gguf_path, wait_ready  # noqa: E402
 from client_load import run_load  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import Table, record  # noqa: E402
+
 
 def start(name: str, cmd: list[str], env: dict | None = None) -> dict:
     port = free_port()
@@ -104,15 +107,33 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in rows.items()}
         print("\n| server | " + " | ".join(f"c={c}" for c in concs) + " |")
         print("|---|" + "---|" * len(concs))
+        table = Table(
+            f"output tok/s, {a.model} model, {a.prompt_len} prompt / {a.new_tokens} new tokens, "
+            f"streamed, medians of {a.reps}",
+            ["server", *(f"c={c}" for c in concs)],
+            [],
+        )
         for s in servers:
             print(f"| {s['name']} | " + " | ".join(f"{med[(s['name'], c)]:.1f}" for c in concs)
                   + " |")  # fmt: skip
+            table.rows.append([s["name"], *(round(med[(s["name"], c)], 1) for c in concs)])
         names = {s["name"] for s in servers}
         for ours, theirs in (("thermostat-int8", "llama-q8_0"), ("thermostat-int4", "llama-q4_0"),
                              ("thermostat-int8", "thermostat-bf16")):  # fmt: skip
             if ours in names and theirs in names:
                 print(f"| ratio {ours} / {theirs} | " + " | ".join(
                     f"{med[(ours, c)] / med[(theirs, c)]:.2f}x" for c in concs) + " |")  # fmt: skip
+                table.rows.append(
+                    [f"ratio {ours} / {theirs}",
+                     *(round(med[(ours, c)] / med[(theirs, c)], 2) for c in concs)]
+                )  # fmt: skip
+        record(
+            "bench_quantized_http",
+            "Quantized serving over HTTP: llama-server on q8_0/q4_0 GGUFs vs thermostat serve "
+            "in bf16/int8/int4, same weights",
+            [table],
+            threads=a.threads,
+        )
     finally:
         for s in servers:
             s["proc"].send_signal(signal.SIGINT)

@@ -26,6 +26,8 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
+from results import Table as ResultTable
+from results import record
 from rich.console import Console
 from rich.table import Table
 
@@ -67,6 +69,12 @@ def work_tree(stack: ExitStack, revision: str | None, tmp: Path, name: str) -> P
     stack.callback(subprocess.run, ["git", "-C", str(REPO), "worktree", "remove", "--force",
                                     str(path)], check=False)  # fmt: skip
     return path
+
+
+def short_hash(revision: str) -> str:
+    done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", revision],
+                          capture_output=True, text=True)  # fmt: skip
+    return done.stdout.strip() or "?"
 
 
 def main() -> None:
@@ -116,6 +124,8 @@ def main() -> None:
                   f"{args.repeats} alternating repetitions")  # fmt: skip
     for column in ("format", "batch", "base", "head", "head / base", "per repetition"):
         table.add_column(column, justify="left" if column == "per repetition" else "right")
+    columns = ["format", "batch", "base tok/s", "head tok/s", "head / base", "per repetition"]
+    recorded = ResultTable(table.title or "", columns, [])
     for fmt in args.formats:
         for batch in args.batches:
             base, head = runs[("base", fmt, batch)], runs[("head", fmt, batch)]
@@ -123,7 +133,20 @@ def main() -> None:
             table.add_row(fmt, str(batch), f"{statistics.median(base):.1f}",
                           f"{statistics.median(head):.1f}", f"{statistics.median(ratios):.3f}",
                           " ".join(f"{r:.2f}" for r in ratios))  # fmt: skip
+            recorded.rows.append([fmt, batch, round(statistics.median(base), 1),
+                                  round(statistics.median(head), 1),
+                                  round(statistics.median(ratios), 3),
+                                  " ".join(f"{r:.2f}" for r in ratios)])  # fmt: skip
     console.print(table)
+    record(
+        "bench_revisions",
+        "Decode tok/s of two revisions, each in a process of its own, loads alternating",
+        [recorded],
+        notes=f"base: {args.base} = {short_hash(args.base)}; head: "
+        + (f"{args.head} = {short_hash(args.head)}" if args.head else "the working tree")
+        + ".",
+        threads=2,
+    )
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 
 import torch
+from results import Table as ResultTable
+from results import record
 from rich.console import Console
 from rich.table import Table
 
@@ -121,12 +123,20 @@ def main() -> None:
         table.add_column("plain step", justify="right")
         for k in (2, 4, 8):
             table.add_column(f"k={k}", justify="right")
+        step_costs = ResultTable(
+            table.title or "",
+            ["model", "batch", "plain step (ms)", *(f"k={k} / plain" for k in (2, 4, 8))],
+            [],
+        )
         for name in models:
             for batch in (1, 8):
                 base = statistics.median(costs[name, batch, 0])
                 ratios = [statistics.median(costs[name, batch, k]) / base for k in (2, 4, 8)]
                 table.add_row(
                     name, str(batch), f"{base * 1e3:.2f} ms", *(f"{r:.2f}x" for r in ratios)
+                )
+                step_costs.rows.append(
+                    [name, batch, round(base * 1e3, 2), *(round(r, 2) for r in ratios)]
                 )
         Console().print(table)
 
@@ -160,11 +170,21 @@ def main() -> None:
         table = Table(title="output tok/s, speculation off vs on (ngram, k=4), medians")
         for column in ("workload", "off", "on", "on / off"):
             table.add_column(column, justify="right" if column != "workload" else "left")
+        end_to_end = ResultTable(
+            table.title or "", ["workload", "off tok/s", "on tok/s", "on / off"], []
+        )
         for name in loads:
             off = statistics.median(runs[name, "off"])
             on = statistics.median(runs[name, "ngram"])
             table.add_row(name, f"{off:.1f}", f"{on:.1f}", f"{on / off:.2f}x")
+            end_to_end.rows.append([name, round(off, 1), round(on, 1), round(on / off, 2)])
         Console().print(table)
+    record(
+        "bench_speculative",
+        "Prompt-lookup speculation (ngram): a verification step's cost, and output tok/s off vs on",
+        [step_costs, end_to_end],
+        notes=f"Medians of {args.repeats} interleaved repeats.",
+    )
 
 
 if __name__ == "__main__":

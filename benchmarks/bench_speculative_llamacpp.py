@@ -35,6 +35,8 @@ from thermostat.engine.loader import DEMO_MODEL_DIR
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_http import serving  # noqa: E402
+from results import Table as ResultTable  # noqa: E402
+from results import record  # noqa: E402
 
 console = Console(stderr=True)
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", "/tmp/peers"))
@@ -124,6 +126,7 @@ def main() -> None:
     table.add_column("llama on/off", justify="right")
     table.add_column("thermostat on/off", justify="right")
     table.add_column("thermostat/llama, on", justify="right")
+    recorded = ResultTable(table.title or "", [str(c.header) for c in table.columns], [])
     for name in WORKLOADS:
         llama_off, llama_on, ours_off, ours_on = (statistics.median(s.rates[name]) for s in fleet)
         table.add_row(
@@ -133,7 +136,25 @@ def main() -> None:
             f"{ours_on / ours_off:.2f}x",
             f"{ours_on / llama_on:.2f}x",
         )
+        recorded.rows.append(
+            [
+                name,
+                *(round(statistics.median(s.rates[name]), 1) for s in fleet),
+                round(llama_on / llama_off, 2),
+                round(ours_on / ours_off, 2),
+                round(ours_on / llama_on, 2),
+            ]
+        )
     Console(width=160).print(table)
+    record(
+        "bench_speculative_llamacpp",
+        "Prompt-lookup speculation beside llama.cpp's: thermostat serve --speculative ngram vs "
+        "llama-server --spec-type ngram-simple, same weights",
+        [recorded],
+        notes=f"Medians of {args.repeats} interleaved repeats, {NEW_TOKENS} new tokens, one "
+        "request at a time.",
+        threads=2,
+    )
 
 
 if __name__ == "__main__":

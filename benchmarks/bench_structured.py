@@ -15,6 +15,8 @@ import argparse
 import statistics
 import time
 
+from results import Table, record
+
 from thermostat import LLM, SamplingParams
 from thermostat.sampling.structured import StructuredOutput
 
@@ -47,6 +49,7 @@ def main() -> None:
         run(llm, batch, constrained)
     print("| batch | unconstrained tok/s | json_schema tok/s | ratio |")
     print("|---|---|---|---|")
+    rows: list[list[str | float | int | None]] = []
     for batch in args.batches:
         pairs = [
             (run(llm, batch, free)[0], run(llm, batch, constrained)[0]) for _ in range(args.repeats)
@@ -55,6 +58,14 @@ def main() -> None:
         b = statistics.median(p[1] for p in pairs)
         ratio = b / a
         print(f"| {batch} | {a:.1f} | {b:.1f} | {ratio:.2f}x |")
+        rows.append([batch, round(a, 1), round(b, 1), round(ratio, 2)])
+    table = Table(
+        f"output tok/s, {args.model} model, {args.tokens} tokens per request, medians of "
+        f"{args.repeats}",
+        ["batch", "unconstrained tok/s", "json_schema tok/s", "json_schema / unconstrained"],
+        rows,
+    )
+    record("bench_structured", "JSON-schema-constrained decoding vs unconstrained", [table])
 
 
 if __name__ == "__main__":

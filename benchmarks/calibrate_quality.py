@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from results import Table as ResultTable
+from results import record
 from rich.console import Console
 from rich.table import Table
 
@@ -445,10 +447,16 @@ def fmt(x: float | int | None, pct: bool = False) -> str:
     return f"{x:.2%}" if pct else (f"{x:.3f}" if isinstance(x, float) else str(x))
 
 
-def print_tables(healthy: list[Tally], kinds: list[Tally], stream: dict, show: int) -> None:
+def print_tables(
+    healthy: list[Tally], kinds: list[Tally], stream: dict, show: int
+) -> list[ResultTable]:
+    """Print the tables; return the same as results (rates in percent)."""
+    recorded = []
     t = Table(title="Healthy text: false positives (chunks of 200-1500 chars; whole pages)")
     for col in ("corpus", "n", "flagged", "FP rate", "by detector", "mean ms", "max ms"):
         t.add_column(col, justify="left" if col in ("corpus", "by detector") else "right")
+    columns = ["corpus", "n", "flagged", "FP rate %", "by detector", "mean ms", "max ms"]
+    recorded.append(ResultTable(t.title or "", columns, []))
     for h in healthy:
         flags = ", ".join(f"{k} {v}" for k, v in h.flags.most_common()) or "-"
         t.add_row(
@@ -460,6 +468,17 @@ def print_tables(healthy: list[Tally], kinds: list[Tally], stream: dict, show: i
             f"{1000 * h.seconds / max(h.n, 1):.2f}",
             f"{1000 * h.max_seconds:.1f}",
         )
+        recorded[-1].rows.append(
+            [
+                h.name,
+                h.n,
+                h.flagged,
+                round(100 * h.rate, 2),
+                flags,
+                round(1000 * h.seconds / max(h.n, 1), 2),
+                round(1000 * h.max_seconds, 1),
+            ]
+        )
     console.print(t)
     t = Table(
         title="Healthy extremes: the largest (smallest) value each threshold must stay beyond. "
@@ -470,15 +489,21 @@ def print_tables(healthy: list[Tally], kinds: list[Tally], stream: dict, show: i
     t.add_column("corpus")
     for k in keys:
         t.add_column(k, justify="right")
+    recorded.append(ResultTable(t.title or "", ["corpus", *keys], []))
     for h in healthy:
         t.add_row(h.name, *(fmt(v) for v in h.extremes().values()))
+        extremes = (round(v, 3) if isinstance(v, float) else v for v in h.extremes().values())
+        recorded[-1].rows.append([h.name, *extremes])
     console.print(t)
     t = Table(title="Degenerate text: detection")
     for col in ("kind", "n", "detected", "rate", "by detector"):
         t.add_column(col, justify="left" if col in ("kind", "by detector") else "right")
+    columns = ["kind", "n", "detected", "rate %", "by detector"]
+    recorded.append(ResultTable(t.title or "", columns, []))
     for k in kinds:
         flags = ", ".join(f"{f} {v}" for f, v in k.flags.most_common()) or "-"
         t.add_row(k.name, str(k.n), str(k.flagged), fmt(k.rate, True), flags)
+        recorded[-1].rows.append([k.name, k.n, k.flagged, round(100 * k.rate, 2), flags])
     console.print(t)
     console.print(
         f"streaming: {stream['us_per_update']} us per update ({stream['updates']} updates)"
@@ -487,6 +512,7 @@ def print_tables(healthy: list[Tally], kinds: list[Tally], stream: dict, show: i
         for text, report in h.examples[:show]:
             console.print(f"[bold]{h.name}[/] flagged: {report.reasons}")
             console.print(repr(text[-300:]), markup=False)
+    return recorded
 
 
 def main() -> int:
@@ -520,7 +546,15 @@ def main() -> int:
         for case in degenerate_cases(rng, prose, args.cases):
             kinds.setdefault(case.kind, Tally(case.kind)).add(case.text)
     stream = streaming_cost(rng.sample(corpora["licences"], 50), rng)
-    print_tables(healthy, list(kinds.values()), stream, args.show_fp)
+    tables = print_tables(healthy, list(kinds.values()), stream, args.show_fp)
+    record(
+        "calibrate_quality",
+        "Degeneration detectors: false positives on healthy text, detection of degenerate text",
+        tables,
+        notes=f"Streaming: {stream['us_per_update']} us per update ({stream['updates']} "
+        "updates); the healthy corpora are whatever this machine has on disk.",
+        threads=1,
+    )
     if args.json:
         out = {
             "config": DEFAULT.__dict__,

@@ -29,6 +29,7 @@ from bench_llamacpp import BIN_DIR  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_agreement import start, stop  # noqa: E402
+from results import Table, record  # noqa: E402
 
 
 def llama_top(url: str, ids: list[int], top: int) -> dict[str, float]:
@@ -70,16 +71,35 @@ def main() -> None:
                                env=dict(os.environ, OMP_NUM_THREADS=str(a.threads)))  # fmt: skip
         procs.append(ours)
         same_greedy, worst = 0, 0.0
-        for ids in prompts:
+        per_prompt = Table(
+            f"per prompt: one greedy token, top-{a.top} logprobs",
+            ["prompt", "llama-server greedy", "thermostat greedy", "largest |dlogprob|"],
+            [],
+        )
+        for i, ids in enumerate(prompts):
             theirs, mine = llama_top(llama_url, ids, a.top), thermostat_top(ours_url, ids, a.top)
-            same_greedy += max(theirs, key=theirs.__getitem__) == max(mine, key=mine.__getitem__)
+            greedy = max(theirs, key=theirs.__getitem__), max(mine, key=mine.__getitem__)
+            same_greedy += greedy[0] == greedy[1]
             common = set(theirs) & set(mine)
             diff = max((abs(theirs[t] - mine[t]) for t in common), default=float("nan"))
             worst = max(worst, diff)
             print(f"llama {sorted(theirs.items(), key=lambda kv: -kv[1])[:3]}")
             print(f"ours  {sorted(mine.items(), key=lambda kv: -kv[1])[:3]}  max |diff| {diff:.4f}")
+            per_prompt.rows.append([i, greedy[0], greedy[1], round(diff, 4)])
         print(f"\n{a.gguf}: greedy token equal {same_greedy}/{len(prompts)}; largest logprob "
               f"difference over the top-{a.top} tokens both list: {worst:.4f} nats")  # fmt: skip
+        summary = Table(
+            f"{Path(a.gguf).name}: llama-server vs thermostat serve, {len(prompts)} prompts of "
+            f"{a.length} random token ids",
+            ["greedy token equal", "prompts", f"largest top-{a.top} logprob difference (nats)"],
+            [[same_greedy, len(prompts), round(worst, 4)]],
+        )
+        record(
+            "compare_gguf_logprobs",
+            "The same GGUF file through llama-server and thermostat serve: next-token logprobs",
+            [summary, per_prompt],
+            threads=a.threads,
+        )
     finally:
         stop(procs)
 

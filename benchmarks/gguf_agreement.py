@@ -12,13 +12,13 @@ tokens both list before that point. Also each server's ready time (process start
 
 llama-server comes from ../shared/peers/setup.sh (LLAMA_BIN_DIR, default
 /tmp/peers/llama-build/bin).
-Prints a table and one JSON line (`--json FILE` appends it there).
+Prints a line per prompt and the totals, and records them (benchmarks/results.py:
+`benchmarks/results/gguf_agreement.json`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -33,6 +33,9 @@ PEERS_SCRIPTS = Path(
 )
 sys.path.insert(0, str(PEERS_SCRIPTS))
 from bench_llamacpp import BIN_DIR, free_port, wait_ready  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import Table, record  # noqa: E402
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -75,14 +78,6 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.wait(timeout=20)
         except subprocess.TimeoutExpired:
             p.kill()
-
-
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def llama_run(url: str, ids: list[int], n: int, top: int) -> list[dict[str, float]]:
@@ -149,7 +144,6 @@ def main() -> None:
         help="the second server: thermostat, or llama-server itself with --extra's flags "
         "(its own agreement across its settings: the noise floor of this measure)",
     )
-    ap.add_argument("--json", type=Path, help="append the result line to this file")
     a = ap.parse_args()
     procs = []
     try:
@@ -182,31 +176,32 @@ def main() -> None:
             rows.append({"prompt": text, "compared": compared, "agree": agree, "worst": worst})
             print(f"{'same' if agree else 'DIFF'}  {compared:3d} tokens  max |dlogprob| "
                   f"{worst:.4f}  {text[:50]}")  # fmt: skip
-        result = {
-            "date": time.strftime("%Y-%m-%d"),
-            "commit": subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"],
-                capture_output=True,
-                text=True,
-                cwd=Path(__file__).parent,
-            ).stdout.strip(),
-            "cpu": cpu_name(),
-            "threads": a.threads,
-            "gguf": Path(a.gguf).name,
-            "versus": a.versus,
-            "flags": a.extra,
-            "agree": sum(r["agree"] for r in rows),
-            "prompts": len(rows),
-            "worst_logprob_diff": max(r["worst"] for r in rows),
-            "ready_s": {"llama-server": round(llama_ready, 2), "second": round(ours_ready, 2)},
-        }
-        print(f"\nagree {result['agree']}/{len(rows)}; largest shared top-{a.top} logprob "
-              f"difference {result['worst_logprob_diff']:.4f} nats; ready: llama-server "
+        agree, worst = sum(r["agree"] for r in rows), max(r["worst"] for r in rows)
+        print(f"\nagree {agree}/{len(rows)}; largest shared top-{a.top} logprob "
+              f"difference {worst:.4f} nats; ready: llama-server "
               f"{llama_ready:.1f} s, {a.versus} {a.extra} {ours_ready:.1f} s")  # fmt: skip
-        print(json.dumps(result))
-        if a.json:
-            with a.json.open("a") as f:
-                f.write(json.dumps(result) + "\n")
+        summary = Table(
+            f"{Path(a.gguf).name}: llama-server vs {a.versus} {a.extra}".strip(),
+            ["second server", "flags", "prompts agreeing", "prompts",
+             f"largest shared top-{a.top} logprob difference (nats)",
+             "ready llama-server (s)", "ready second (s)"],
+            [[a.versus, a.extra, agree, len(rows), round(worst, 4), round(llama_ready, 2),
+              round(ours_ready, 2)]],
+        )  # fmt: skip
+        per_prompt = Table(
+            f"per prompt: {a.tokens} greedy tokens, compared up to the first near tie "
+            f"({a.margin} nats) of llama-server's top two",
+            ["prompt", "tokens compared", "agree", "largest |dlogprob|"],
+            [[r["prompt"], r["compared"], "same" if r["agree"] else "DIFF", round(r["worst"], 4)]
+             for r in rows],
+        )  # fmt: skip
+        record(
+            "gguf_agreement",
+            "Does Thermostat serve a GGUF file as llama.cpp does? The same file through "
+            "llama-server and a second server, greedy",
+            [summary, per_prompt],
+            threads=a.threads,
+        )
     finally:
         stop(procs)
 

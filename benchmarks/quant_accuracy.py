@@ -15,6 +15,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+from results import Table as ResultTable
+from results import record
 from rich.console import Console
 from rich.table import Table
 
@@ -83,6 +85,9 @@ def main() -> None:
                 "weight bytes vs bf16"):  # fmt: skip
         table.add_column(col)
     prompts = PROMPTS[: args.prompts]
+    columns = ["model", "format", "top-1 agreement", "mean KL (nats)",
+               f"greedy equal (of {len(prompts)})", "weight bytes vs bf16"]  # fmt: skip
+    recorded = ResultTable(table.title or "", columns, [])
     with tempfile.TemporaryDirectory() as tmp:
         smol = Path(tmp) / "smollm2-135m-shape"
         console.log("writing a random SmolLM2-135M-shaped model (bf16)")
@@ -95,7 +100,17 @@ def main() -> None:
             ):
                 table.add_row(name, fmt, f"{agree:.3f}", f"{kl:.4f}", f"{equal}/{len(prompts)}",
                               f"{ratio:.2f}x")  # fmt: skip
+                recorded.rows.append(
+                    [name, fmt, round(agree, 3), round(kl, 4), equal, round(ratio, 2)]
+                )
     Console().print(table)
+    record(
+        "quant_accuracy",
+        "Accuracy of the integer weight formats against the model's own dtype",
+        [recorded],
+        notes=f"Greedy continuations of 32 tokens from {len(prompts)} prompts; positions "
+        "teacher-forced from the demo's training text.",
+    )
 
 
 if __name__ == "__main__":
