@@ -1,6 +1,6 @@
-"""Make docs/console.png, the console page's screenshot (docs/console.md): `thermostat serve` on the demo model,
-100 s of mixed traffic from a few clients (40% greedy, which loops), the 10-minute window and a
-"Check now", in Debian's Chromium.
+"""Make docs/console.png, the console page's screenshot (docs/console.md): `thermostat serve` on
+the demo model, 100 s of mixed traffic from a few clients (40% greedy, which loops), the
+10-minute window and a "Check now", in Debian's Chromium.
 
     .venv/bin/python tools/console_screenshot.py [OUT.png]
 """
