@@ -41,8 +41,9 @@ PROMPT = [{"role": "user", "content": "Tell me about the sea."}]
 
 @contextlib.contextmanager
 def running_gateway(upstream: str, **options: Any) -> Iterator[str]:
-    """A gateway in front of `upstream` on a free loopback port until the block ends."""
-    config = GatewayConfig(upstream=upstream, port=0, **options)
+    """A gateway in front of `upstream` on a free loopback port (or `port=`) until the block
+    ends."""
+    config = GatewayConfig(upstream=upstream, **({"port": 0} | options))
     server = DrainingServer(create_gateway_app(config), config, log_level="warning")
     thread = threading.Thread(target=server.run, name="test-gateway", daemon=True)
     thread.start()

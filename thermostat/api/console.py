@@ -6,8 +6,9 @@
 | GET /  -> /console             | open     | a redirect                                           |
 | GET /console, /console/assets/ | open     | the page and its scripts (package files, no CDN)     |
 | GET /v1/console/state          | required | the server's facts and defaults, the last hour's     |
-|                                |          | series, the recent requests after `?after=ID`, the   |
-|                                |          | last check and the last diagnose                     |
+|                                |          | series, the recent requests after `?after=ID` (all   |
+|                                |          | of them when `&instance=` names another process),    |
+|                                |          | the last check and the last diagnose                 |
 | GET /v1/console/requests/{id}  | required | one request's whole `sampling` and `quality`         |
 | POST /v1/console/check         | required | runs `thermostat verify`'s checks on this server     |
 | POST /v1/console/diagnose      | required | keeps a `thermostat diagnose --json` result to show  |
@@ -15,7 +16,9 @@
 The page holds no data: everything it shows comes from /v1/console/*, behind `--api-key` like the
 rest of the API (the page asks for the key and keeps it in the tab's sessionStorage). These
 routes are the page's own, not the OpenAI surface: /openapi.json leaves them out (so the fuzzer
-does not spend its budget there; tests/test_console.py sends them bad input).
+does not spend its budget there; tests/test_console.py sends them bad input). The page and its
+assets are sent `Cache-Control: no-cache`: a browser asks again (a 304 when unchanged) instead of
+running a cached copy from before an upgrade.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from thermostat.api.metrics import Metrics
 ASSETS = Path(__file__).with_name("console_assets")
 ASSET_TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
 CHECK_MAX_TOKENS = 32  # per verify request (x4 for its degeneration probe)
+REVALIDATE = {"Cache-Control": "no-cache"}
 
 
 class ConsoleHost(Protocol):
@@ -90,7 +94,7 @@ async def root() -> RedirectResponse:
 
 @router.get("/console", include_in_schema=False)
 async def page() -> FileResponse:
-    return FileResponse(ASSETS / "console.html", media_type="text/html")
+    return FileResponse(ASSETS / "console.html", media_type="text/html", headers=REVALIDATE)
 
 
 @router.get("/console/assets/{name}", include_in_schema=False)
@@ -98,17 +102,22 @@ async def asset(name: str) -> FileResponse:
     path = ASSETS / name
     if "/" in name or path.suffix not in ASSET_TYPES or not path.is_file():
         raise APIError(404, f"no console asset {name!r}", code="not_found")
-    return FileResponse(path, media_type=ASSET_TYPES[path.suffix])
+    return FileResponse(path, media_type=ASSET_TYPES[path.suffix], headers=REVALIDATE)
 
 
 @router.get("/v1/console/state", include_in_schema=False)
-async def state(request: Request, after: int = 0) -> dict[str, Any]:
+async def state(request: Request, after: int = 0, instance: str | None = None) -> dict[str, Any]:
+    """`after`: the last id the caller has; `instance`: of which ring (ids start over in each
+    process: a page open across a restart gets the whole list of the new one)."""
     host, records = _host(request), _records(request)
     host.console_sample()
     traffic = host.metrics.traffic
+    if instance is not None and instance != traffic.instance:
+        after = 0
     return {
         "now": time.time(),
         "status": host.status,
+        "instance": traffic.instance,
         "facts": host.console_facts(),
         "defaults": host.console_defaults(),
         "series": traffic.series(),

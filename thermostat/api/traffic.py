@@ -1,6 +1,9 @@
 """The console's memory of traffic: the last requests (a bounded ring) and counts per 10-second
 bucket over the last hour. Fed from the same events as the Prometheus metrics (api/metrics.py);
-read by the console (api/console.py). Prompt and output text are kept only when asked.
+read by the console (api/console.py). Prompt and output text are kept only when asked. The ring's
+ids count from 1 in each process; `instance` names the process, so that a page still open from a
+server that was restarted (or replaced on its port) starts its list over instead of waiting for
+ids above the ones it had.
 
 | series            | per bucket                                             |
 |-------------------|--------------------------------------------------------|
@@ -15,6 +18,7 @@ read by the console (api/console.py). Prompt and output text are kept only when 
 from __future__ import annotations
 
 import bisect
+import secrets
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -107,6 +111,7 @@ class Traffic:
         self.clock = clock
         self.buckets: deque[Bucket] = deque(maxlen=WINDOW_S // BUCKET_S + 1)
         self.recent: deque[RequestRecord] = deque(maxlen=RECENT)
+        self.instance = secrets.token_hex(8)  # what the ids count in
         self._next_id = 1
 
     def _bucket(self) -> Bucket:

@@ -39,7 +39,9 @@ class GatewayChat:
         raw = chat.model_dump(exclude_none=True, by_alias=True)
         if "tools" in raw:  # a freeform tool's grammar stays here (the upstream cannot use it)
             raw["tools"] = [shown_tool(t) for t in raw["tools"]]
-        return await generate(request, "chat", chat, raw, prompt_len, opening=True)
+        return await generate(
+            request, "chat", chat, raw, prompt_len, opening=True, listed_as=call.endpoint
+        )
 
     def refused(self, request: Request, raw: Any, err: APIError) -> None:
         """Nothing waits on the gateway's refusals."""

@@ -54,17 +54,20 @@ async def generate(
     raw: dict[str, Any],
     prompt_len: int | None = None,
     opening: bool = False,
+    listed_as: str | None = None,
 ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
     """A body resolved, sent upstream and its answer annotated: the whole response, or its
     chunks (a usage chunk last, always asked of the upstream). For the agents' APIs:
     `prompt_len`, the prompt's tokens when known, so that a sent max_tokens larger than its
-    room is cut (`fit_to_context`); `opening`: the first chunk carries `sampling`."""
+    room is cut (`fit_to_context`); `opening`: the first chunk carries `sampling`; `listed_as`:
+    the API's name on the console ("responses", "messages"), as serve lists it."""
     state = gateway_state(request)
+    listed = listed_as or endpoint
     tools = tool_constraint(body) if isinstance(body, ChatCompletionRequest) else None
     try:
         resolved = state.defaults.resolve(to_sampling_params(body, tools))
     except GreedyRejected as exc:
-        state.metrics.on_greedy_rejected(endpoint, request.headers.get("user-agent"), str(exc))
+        state.metrics.on_greedy_rejected(listed, request.headers.get("user-agent"), str(exc))
         raise
     context_len = state.defaults.info.context_len
     if prompt_len is not None and context_len and "max_tokens" not in resolved.unknown:
@@ -74,7 +77,7 @@ async def generate(
     sent = upstream_body(raw, resolved, state.defaults)
     sampling = Sampling(resolved.to_dict(), functools.partial(
         resolved.choice, n=body.n or 1, kind=state.defaults.kind))  # fmt: skip
-    record = functools.partial(_record, state, endpoint, request.headers.get("user-agent"))
+    record = functools.partial(_record, state, listed, request.headers.get("user-agent"))
     if body.stream:
         return await _stream(state, PATHS[endpoint], sent, sampling, record, opening)
     with state.admitted() as start:

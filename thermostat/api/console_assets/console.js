@@ -1,15 +1,15 @@
 // The Thermostat console: polls GET /v1/console/state and draws what it says. No build step, no
-// framework; uPlot (vendored beside this file) draws the plots. See thermostat/api/console.py.
+// framework; uPlot (vendored beside this file) draws the plots, console_requests.js the list of
+// recent requests. See thermostat/api/console.py.
 "use strict";
 
 const KEY = "thermostat.apiKey";  // sessionStorage: this tab only
 const THEME = "thermostat.theme";
 const REFRESH_MS = 2000;
-const MAX_ROWS = 500;
 const PALETTE = ["#2f6fdb", "#d1495b", "#edae49", "#00798c", "#8e5cc4", "#66a182", "#e07a5f"];
 
 const $ = (id) => document.getElementById(id);
-const state = { after: 0, rows: [], plots: {}, plotKeys: {}, timer: null, last: null };
+const state = { instance: null, after: 0, rows: [], plots: {}, plotKeys: {}, timer: null, last: null };
 
 function el(tag, props = {}, ...children) {
   const node = document.createElement(tag);
@@ -66,7 +66,8 @@ async function refresh() {
   state.timer = setTimeout(refresh, REFRESH_MS);
   let response;
   try {
-    response = await api("/v1/console/state?after=" + state.after);
+    response = await api("/v1/console/state?after=" + state.after +
+      "&instance=" + encodeURIComponent(state.instance || ""));
   } catch (err) {
     setStatus("the server does not answer (" + err.message + ")", "bad");
     return;
@@ -96,7 +97,7 @@ async function refresh() {
   if (data.facts.server === "thermostat gateway") {
     $("kv-caption").textContent = "KV cache usage: none here (a gateway has no engine; the upstream's metrics have it)";
   }
-  addRows(data.requests);
+  takeRows(data);
   $("text-kept").textContent = data.keeps_text
     ? "(output text kept: --console-keep-text)"
     : "(output text not kept; --console-keep-text keeps it)";
@@ -260,6 +261,8 @@ function renderTraffic(all) {
   plot("plot-kv", ["KV usage"], [t, s.kv_usage], { range: [0, 1], points: true });
 }
 
+$("window").addEventListener("change", redrawPlots);
+
 function redrawPlots() {
   for (const id of Object.keys(state.plots)) state.plots[id].destroy();
   state.plots = {};
@@ -267,69 +270,10 @@ function redrawPlots() {
   if (state.last) renderTraffic(state.last.series);
 }
 
-// --- recent requests ---------------------------------------------------------------------------
-
-function addRows(rows) {
-  if (!rows.length) return;
-  state.rows.push(...rows);
-  state.after = rows[rows.length - 1].id;
-  if (state.rows.length > MAX_ROWS) state.rows.splice(0, state.rows.length - MAX_ROWS);
-  renderRows();
-}
-
-function sampled(entry) {
-  return el("span", {}, show(entry.value), " ", el("span", { className: "src" }, show(entry.source)));
-}
-
-function renderRows() {
-  const onlyDegenerate = $("only-degenerate").checked;
-  const onlyGreedy = $("only-greedy").checked;
-  const shown = state.rows.filter((r) => (!onlyDegenerate || r.degenerate) && (!onlyGreedy || r.greedy));
-  $("requests-count").textContent = "(" + shown.length + " shown of the last " + state.rows.length + ")";
-  $("requests-table").tBodies[0].replaceChildren(...shown.slice().reverse().map((r) => {
-    let quality;
-    if (r.degenerate) {
-      quality = el("td", { className: "bad reasons" }, "DEGENERATE: " + r.reasons.join("; "));
-    } else if (r.error) {
-      quality = el("td", { className: "warn reasons" }, r.status.toUpperCase() + ": " + r.error);
-    } else {
-      quality = el("td", { className: r.status === "ok" ? "good" : "warn" }, r.status);
-    }
-    const row = el("tr", {},
-      el("td", {}, clock(r.time)), el("td", {}, r.endpoint), el("td", {}, show(r.client)),
-      el("td", {}, sampled(r.sampling.temperature), r.greedy ? " (greedy)" : ""),
-      el("td", {}, sampled(r.sampling.top_p)), el("td", {}, sampled(r.sampling.top_k)),
-      el("td", {}, sampled(r.sampling.max_tokens)), el("td", {}, r.policies.join(", ") || "-"),
-      el("td", {}, r.finish_reasons.map(show).join(", ") || "-"),
-      el("td", {}, r.prompt_tokens + " → " + r.completion_tokens), quality);
-    row.dataset.id = r.id;
-    row.dataset.degenerate = r.degenerate;
-    row.dataset.greedy = r.greedy;
-    row.addEventListener("click", () => openDetail(r.id));
-    return row;
-  }));
-}
+// --- recent requests (console_requests.js) ----------------------------------------------------
 
 $("only-degenerate").addEventListener("change", renderRows);
-$("window").addEventListener("change", redrawPlots);
 $("only-greedy").addEventListener("change", renderRows);
-
-async function openDetail(id) {
-  const response = await api("/v1/console/requests/" + id);
-  const body = await response.json();
-  if (!response.ok) {
-    $("detail-title").textContent = "Request " + id + ": " + ((body.error || {}).message || response.status);
-    $("detail-sampling").textContent = "";
-    $("detail-quality").textContent = "";
-  } else {
-    $("detail-title").textContent = "Request " + id + " · " + body.endpoint + " · " + (body.request_id || "");
-    $("detail-sampling").textContent = JSON.stringify(body.sampling, null, 2);
-    $("detail-quality").textContent = JSON.stringify(body.quality, null, 2);
-    $("detail-text-block").hidden = !body.text;
-    $("detail-text").textContent = (body.text || []).join("\n---\n");
-  }
-  $("detail").showModal();
-}
 
 // --- theme -------------------------------------------------------------------------------------
 
