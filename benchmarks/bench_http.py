@@ -105,11 +105,14 @@ SERVER_PIDS: dict[str, int] = {}  # url -> pid of the server `serving` started t
 
 
 @contextmanager
-def serving(name: str, command: list[str], log_dir: Path) -> Iterator[str]:
-    """Run a server command (with {PORT}) until the block ends; yield its URL."""
+def serving(
+    name: str, command: list[str], log_dir: Path, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """Run a server command (with {PORT}) until the block ends; yield its URL. `env`: variables
+    set beside OMP_NUM_THREADS=2."""
     port = free_port()
     log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 (closed below)
-    env = dict(os.environ, OMP_NUM_THREADS="2")
+    env = {**os.environ, "OMP_NUM_THREADS": "2", **(env or {})}
     proc = subprocess.Popen(
         [c.replace("{PORT}", str(port)) for c in command],
         stdout=log,
@@ -263,7 +266,7 @@ def offline_engine(model: Path, top: int, args: argparse.Namespace) -> Iterator[
             proc.wait()
 
 
-def random_model(directory: Path) -> Path:
+def random_model(directory: Path, max_position_embeddings: int | None = None) -> Path:
     """The SmolLM2-135M shape with random weights, and a word-level tokenizer that gives every
     one of its 49,152 ids a piece of text ("w123"): with the test suite's 300-token tokenizer
     nearly every generated id decodes to nothing, so a stream would carry no chunks and HTTP's
@@ -274,9 +277,9 @@ def random_model(directory: Path) -> Path:
 
     from thermostat.random_model import SMOLLM2_135M, write_model
 
-    path = write_model(
-        directory / "smollm2-135m-shape", "llama", dtype=torch.bfloat16, **SMOLLM2_135M
-    )
+    context = max_position_embeddings or SMOLLM2_135M["max_position_embeddings"]
+    shape = dict(SMOLLM2_135M, max_position_embeddings=context)
+    path = write_model(directory / "smollm2-135m-shape", "llama", dtype=torch.bfloat16, **shape)
     words = {"<|endoftext|>": 0} | {f"w{i}": i for i in range(1, SMOLLM2_135M["vocab_size"])}
     tok = Tokenizer(models.WordLevel(words, unk_token="<|endoftext|>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
