@@ -29,11 +29,9 @@ from torch import nn
 
 from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata, windowed
-from thermostat.models.gqa import Attention, AttentionArch
-from thermostat.models.kv_spec import KVCacheSpec
-from thermostat.models.layers import MLP, DecoderStack, LayerInputs, PreNormLayer, RMSNorm
+from thermostat.models.gqa import Attention, AttentionArch, AttentionStack
+from thermostat.models.layers import MLP, LayerInputs, PreNormLayer, RMSNorm
 from thermostat.models.rope import RotaryEmbedding
-from thermostat.models.weights import Index, fused_target
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -100,7 +98,7 @@ class Gemma3Layer(PreNormLayer):
         return y
 
 
-class Gemma3Model(DecoderStack[Gemma3Arch]):
+class Gemma3Model(AttentionStack[Gemma3Arch]):
     """A thermostat.models.registry.CausalLM for Gemma3ForCausalLM checkpoints."""
 
     arch_type = Gemma3Arch
@@ -129,19 +127,9 @@ class Gemma3Model(DecoderStack[Gemma3Arch]):
     def _layer(self, i: int) -> nn.Module:
         return Gemma3Layer(self.arch, i, self.ops)
 
-    def cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        a = self.arch
-        return KVCacheSpec.key_value(a.num_layers, a.num_kv_heads, a.head_dim, block_size, dtype)
-
     def _finish_loading(self) -> None:
         """Gemma's norms scale by 1 + w: stored so, they run as any RMSNorm."""
         with torch.no_grad():
             for m in self.modules():
                 if isinstance(m, RMSNorm):
                     m.weight.add_(1.0)
-
-    def _target(self, name: str) -> tuple[str, Index]:
-        """q/k/v fused into qkv_proj, gate/up into gate_up_proj."""
-        a = self.arch
-        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        return fused_target(name, q, kv, a.intermediate_size)

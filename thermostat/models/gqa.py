@@ -1,10 +1,12 @@
 """Grouped-query attention over the paged KV cache, the layer the Llama family (Llama, Mistral,
 Qwen2, Qwen3, Mixtral, Qwen3-MoE) and Gemma 3 share: q/k/v fused into one projection, optional
-biases and per-head q/k norms, rotary, paged attention, the output projection."""
+biases and per-head q/k norms, rotary, paged attention, the output projection; and what a
+family's stack on it shares (`AttentionStack`: its cache, its checkpoint's fused projections)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -12,8 +14,10 @@ from torch import nn
 from thermostat.kernels import CpuOps
 from thermostat.models.attention import AttentionMetadata, paged_attention
 from thermostat.models.kv_cache import PagedKVCache
-from thermostat.models.layers import RMSNorm, StackArch
+from thermostat.models.kv_spec import KVCacheSpec
+from thermostat.models.layers import DecoderStack, RMSNorm, StackArch
 from thermostat.models.rope import apply_rotary
+from thermostat.models.weights import Index, fused_target
 
 
 @dataclass(frozen=True)
@@ -78,3 +82,21 @@ class Attention(nn.Module):
         o = paged_attention(q, k, v, self.layer, cache, meta, self.scale)
         y: torch.Tensor = self.o_proj(o.reshape(t, self.q_size))
         return y
+
+
+AA = TypeVar("AA", bound=AttentionArch)
+
+
+class AttentionStack(DecoderStack[AA]):
+    """A family on this attention: its cache and its checkpoint's fused projections."""
+
+    def cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """A key and a value of [num_kv_heads, head_dim] per token and layer."""
+        a = self.arch
+        return KVCacheSpec.key_value(a.num_layers, a.num_kv_heads, a.head_dim, block_size, dtype)
+
+    def _target(self, name: str) -> tuple[str, Index]:
+        """q/k/v fused into qkv_proj, gate/up into gate_up_proj."""
+        a = self.arch
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        return fused_target(name, q, kv, a.intermediate_size)

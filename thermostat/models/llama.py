@@ -15,12 +15,10 @@ from torch import nn
 
 from thermostat.models.attention import AttentionMetadata
 from thermostat.models.compiled_decode import CompiledDecode, compiled_decode
-from thermostat.models.gqa import Attention, AttentionArch
+from thermostat.models.gqa import Attention, AttentionArch, AttentionStack
 from thermostat.models.kv_cache import PagedKVCache
-from thermostat.models.kv_spec import KVCacheSpec
-from thermostat.models.layers import DecoderStack
 from thermostat.models.moe import MoEArch, SparseMoE, expert_target
-from thermostat.models.weights import Index, fused_target
+from thermostat.models.weights import Index
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -81,7 +79,7 @@ def _moe_arch(config: PretrainedConfig, arch: str) -> tuple[MoEArch | None, tupl
     return None, ()
 
 
-class LlamaFamilyModel(DecoderStack[ModelArch]):
+class LlamaFamilyModel(AttentionStack[ModelArch]):
     """A thermostat.models.registry.CausalLM for Llama, Mistral, Qwen2, Qwen3, Mixtral and
     Qwen3-MoE checkpoints."""
 
@@ -114,17 +112,11 @@ class LlamaFamilyModel(DecoderStack[ModelArch]):
             moe = SparseMoE(a.moe, a.hidden_size, ops)
         return self._pre_norm_layer(Attention(a, i, ops), moe)
 
-    def cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        """A key and a value of [num_kv_heads, head_dim] per token and layer."""
-        a = self.arch
-        return KVCacheSpec.key_value(a.num_layers, a.num_kv_heads, a.head_dim, block_size, dtype)
-
     def _target(self, name: str) -> tuple[str, Index]:
-        """q/k/v fused into qkv_proj, gate/up into gate_up_proj, experts stored one by one into
-        their stacked parameters, Mixtral's `block_sparse_moe` read as `mlp`."""
-        a = self.arch
+        """Experts stored one by one into their stacked parameters, Mixtral's `block_sparse_moe`
+        read as `mlp`; the rest as AttentionStack fuses them."""
+        moe = self.arch.moe
         name = name.replace(".block_sparse_moe.", ".mlp.")
-        if a.moe is not None and (expert := expert_target(name, a.moe.intermediate_size)):
+        if moe is not None and (expert := expert_target(name, moe.intermediate_size)):
             return expert
-        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        return fused_target(name, q, kv, a.intermediate_size)
+        return super()._target(name)
