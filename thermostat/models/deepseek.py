@@ -40,7 +40,7 @@ from thermostat.models.mla import MLAArch, MLAttention
 from thermostat.models.moe import MoEArch, SparseMoE, expert_target
 from thermostat.models.next_n import NextNLayer, next_n_name
 from thermostat.models.rope import rope_parameters
-from thermostat.models.weights import Index
+from thermostat.models.weights import Index, gate_up_target
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -219,10 +219,6 @@ class DeepseekModel(DecoderStack[DeepseekArch]):
         moe = self.arch.moe
         if moe is not None and (expert := expert_target(name, moe.intermediate_size)):
             return expert
-        for half, proj in enumerate(("gate_proj", "up_proj")):
-            if f".{proj}." in name:
-                rows = self.arch.intermediate_size
-                if moe is not None and ".shared_experts." in name:
-                    rows = moe.shared_intermediate_size
-                return name.replace(proj, "gate_up_proj"), (slice(half * rows, (half + 1) * rows),)
-        return name, ()
+        if moe is not None and ".shared_experts." in name:
+            return gate_up_target(name, moe.shared_intermediate_size)
+        return gate_up_target(name, self.arch.intermediate_size)

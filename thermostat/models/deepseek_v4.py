@@ -42,7 +42,7 @@ from thermostat.models.moe import Experts, MoEArch, Router, expert_target, score
 from thermostat.models.v4_attention import Fp32RMSNorm, Tables, V4Attention, V4AttentionArch
 from thermostat.models.v4_cache import v4_cache_spec
 from thermostat.models.v4_step import V4Step
-from thermostat.models.weights import Index
+from thermostat.models.weights import Index, gate_up_target
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -268,9 +268,6 @@ class DeepseekV4Model(DecoderStack[V4Arch]):
         name = name.replace(".indexer.scorer.", ".indexer.")
         if expert := expert_target(name, self.arch.moe.intermediate_size):
             return expert
-        size = self.arch.moe.shared_intermediate_size
-        for half, proj in enumerate(("gate_proj", "up_proj")):
-            if f".shared_experts.{proj}." in name:
-                rows = slice(half * size, (half + 1) * size)
-                return name.replace(proj, "gate_up_proj"), (rows,)
+        if ".shared_experts." in name:
+            return gate_up_target(name, self.arch.moe.shared_intermediate_size)
         return name, ()

@@ -17,19 +17,25 @@ Index = tuple[int | slice, ...]  # where a checkpoint tensor goes in its paramet
 
 def fused_target(name: str, q_rows: int, kv_rows: int, intermediate: int) -> tuple[str, Index]:
     """A checkpoint name -> (parameter name, rows): q/k/v fused into `qkv_proj` (q's rows, then
-    k's, then v's), gate/up into `gate_up_proj`; any other name is its own parameter."""
-    q, kv, i = q_rows, kv_rows, intermediate
-    fused = {  # checkpoint projection -> (fused parameter, its rows there)
-        "q_proj": ("qkv_proj", slice(0, q)),
-        "k_proj": ("qkv_proj", slice(q, q + kv)),
-        "v_proj": ("qkv_proj", slice(q + kv, q + 2 * kv)),
-        "gate_proj": ("gate_up_proj", slice(0, i)),
-        "up_proj": ("gate_up_proj", slice(i, 2 * i)),
-    }
-    for src, (dst, rows) in fused.items():
+    k's, then v's), gate/up as `gate_up_target` fuses them; any other name is its own parameter."""
+    q, kv = q_rows, kv_rows
+    qkv = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
+    return _fused(name, "qkv_proj", qkv) or gate_up_target(name, intermediate)
+
+
+def gate_up_target(name: str, rows: int) -> tuple[str, Index]:
+    """A checkpoint name -> (parameter name, rows): gate/up (`rows` each) fused into
+    `gate_up_proj`, gate's first; any other name is its own parameter."""
+    halves = {"gate_proj": slice(0, rows), "up_proj": slice(rows, 2 * rows)}
+    return _fused(name, "gate_up_proj", halves) or (name, ())
+
+
+def _fused(name: str, fused: str, parts: dict[str, slice]) -> tuple[str, Index] | None:
+    """`name` under `fused` at its part's rows, if it names one of `parts` (projection -> rows)."""
+    for src, rows in parts.items():
         if f".{src}." in name:
-            return name.replace(f".{src}.", f".{dst}."), (rows,)
-    return name, ()
+            return name.replace(f".{src}.", f".{fused}."), (rows,)
+    return None
 
 
 class ParameterFiller:
