@@ -1,6 +1,7 @@
 // Thermostat's CPU kernels for CPUs with AVX2 but not AVX-512 BF16/VNNI (AMD Zen 2/3, Intel
 // before Ice Lake): the ops of cpu_kernels.cpp in 8-float registers, on the same layouts
-// (common.h), and DecodeStack (decode_stack.h) over them. The ops' contracts are cpu_kernels.cpp's:
+// (common.h), through the same entry points (torch_ops.h), and DecodeStack (decode_stack.h) over
+// them. The ops' contracts are cpu_kernels.cpp's:
 //
 //   rms_norm, add_rms_norm, rotary_, silu_mul   as there (fp32 math, one rounding)
 //   write_kv                 common.h's
@@ -166,52 +167,6 @@ void add_rms_row(const T* x, T* residual, const T* w, T* out, int64_t n, float e
   rms_row(residual, w, out, n, eps);
 }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  check_rows(x, "rms_norm x");
-  TORCH_CHECK_VALUE(weight.is_contiguous() && weight.numel() == x.size(1) &&
-                        weight.scalar_type() == x.scalar_type(),
-                    "rms_norm: weight must be [dim] of x's dtype");
-  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
-  const int64_t n = x.size(1);
-  THERMOSTAT_DISPATCH_FLOAT(x.scalar_type(), "rms_norm", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    const scalar_t* wp = weight.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t stride = x.stride(0);
-    at::parallel_for(0, x.size(0), 16, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) rms_row(xp + r * stride, wp, op + r * n, n, (float)eps);
-    });
-  });
-  return out;
-}
-
-// residual <- residual + x (rounded to the dtype, as `residual + x` in torch); returns
-// rms_norm(residual) * weight.
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
-                           double eps) {
-  check_rows(x, "add_rms_norm x");
-  check_rows(residual, "add_rms_norm residual");
-  TORCH_CHECK_VALUE(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type() &&
-                        residual.is_contiguous(),
-                    "add_rms_norm: x and residual must match, residual contiguous");
-  TORCH_CHECK_VALUE(weight.is_contiguous() && weight.numel() == x.size(1) &&
-                        weight.scalar_type() == x.scalar_type(),
-                    "add_rms_norm: weight must be [dim] of x's dtype");
-  auto out = torch::empty_like(residual);
-  const int64_t n = x.size(1);
-  THERMOSTAT_DISPATCH_FLOAT(x.scalar_type(), "add_rms_norm", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* rp = residual.data_ptr<scalar_t>();
-    const scalar_t* wp = weight.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t stride = x.stride(0);
-    at::parallel_for(0, x.size(0), 16, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) add_rms_row(xp + r * stride, rp + r * n, wp, op + r * n, n, (float)eps);
-    });
-  });
-  return out;
-}
-
 // ---------------------------------------------------------------- rotary
 
 // One head v [D] rotated in place by its row's cos, sin [D] (D = 2 half).
@@ -226,30 +181,6 @@ inline void rotate_head(T* v, const T* c, const T* s, int64_t half) {
   }
 }
 
-// x: [T, H, D] (rows and heads may be strided, D contiguous); cos, sin: [T, D] contiguous.
-void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK_VALUE(x.dim() == 3 && x.stride(2) == 1, "rotary: x must be [T, H, D], D contiguous");
-  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
-  TORCH_CHECK_VALUE(half % 16 == 0, "rotary: head_dim must be a multiple of 32");
-  TORCH_CHECK_VALUE(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == T &&
-                        cos.size(-1) == D && cos.numel() == T * D && sin.sizes() == cos.sizes() &&
-                        cos.scalar_type() == x.scalar_type() &&
-                        sin.scalar_type() == x.scalar_type(),
-                    "rotary: cos/sin must be [T, D] of x's dtype");
-  THERMOSTAT_DISPATCH_FLOAT(x.scalar_type(), "rotary", [&] {
-    scalar_t* xp = x.data_ptr<scalar_t>();
-    const scalar_t* cp = cos.data_ptr<scalar_t>();
-    const scalar_t* sp = sin.data_ptr<scalar_t>();
-    const int64_t st = x.stride(0), sh = x.stride(1);
-    at::parallel_for(0, T * H, 64, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        const int64_t t = i / H, h = i % H;
-        rotate_head(xp + t * st + h * sh, cp + t * D, sp + t * D, half);
-      }
-    });
-  });
-}
-
 // ---------------------------------------------------------------- SwiGLU activation
 
 // out[0, 8) = silu(gate) * up, in fp32, rounded once
@@ -259,26 +190,6 @@ inline void silu_mul_lanes(const T* gate, const T* up, T* out) {
   const __m256 sig = _mm256_div_ps(
       _mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
   store8(out, _mm256_mul_ps(_mm256_mul_ps(g, sig), u));
-}
-
-// gate_up: [T, 2I] (gate columns first) -> silu(gate) * up [T, I], in fp32, rounded once.
-torch::Tensor silu_mul(torch::Tensor gate_up) {
-  check_rows(gate_up, "silu_mul gate_up");
-  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
-  TORCH_CHECK_VALUE(I % 16 == 0, "silu_mul: intermediate size must be a multiple of 16");
-  auto out = torch::empty({T, I}, gate_up.options());
-  THERMOSTAT_DISPATCH_FLOAT(gate_up.scalar_type(), "silu_mul", [&] {
-    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t stride = gate_up.stride(0);
-    at::parallel_for(0, T * (I / kLanes), 1024, [&](int64_t b, int64_t e) {
-      for (int64_t c = b; c < e; ++c) {
-        const int64_t t = c / (I / kLanes), i = (c % (I / kLanes)) * kLanes;
-        silu_mul_lanes(gp + t * stride + i, gp + t * stride + I + i, op + t * I + i);
-      }
-    });
-  });
-  return out;
 }
 
 // ---------------------------------------------------------------- paged decode attention
@@ -386,60 +297,19 @@ void attend_chunk(const AttentionArgs<T, C>& a, AttentionPlan& plan, int64_t ite
 // Output row (row b, query head qh) of a row of several chunks: merged in chunk order.
 template <typename T, typename C>
 void merge_chunks(const AttentionArgs<T, C>& a, const AttentionPlan& plan, int64_t b, int64_t qh) {
-  const int64_t group = a.Hq / a.Hkv, D = a.D, dv = D / kLanes, stride = group * (D + 2);
-  const int64_t chunks = (plan.first[b + 1] - plan.first[b]) / a.Hkv;
-  if (chunks == 1) return;  // attend_chunk wrote it
-  const float* part = plan.parts.data() + (plan.first[b] + (qh / group) * chunks) * stride +
-                      (qh % group) * (D + 2);
-  float top = part[0];
-  for (int64_t c = 1; c < chunks; ++c) top = std::max(top, part[c * stride]);
+  const int64_t D = a.D, dv = D / kLanes;
+  const AttentionPlan::Row row = plan.row(b, qh, a.Hkv, a.Hq / a.Hkv, D);
+  if (row.chunks == 1) return;  // attend_chunk wrote it
   __m256 acc[32];
   for (int64_t d = 0; d < dv; ++d) acc[d] = _mm256_setzero_ps();
-  float l = 0.0f;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const float* p = part + c * stride;
-    const float w = std::exp(p[0] - top);
-    l += w * p[1];
-    for (int64_t d = 0; d < dv; ++d) {
-      acc[d] = _mm256_fmadd_ps(_mm256_set1_ps(w), _mm256_loadu_ps(p + 2 + d * kLanes), acc[d]);
-    }
+  for (int64_t c = 0; c < row.chunks; ++c) {
+    const float* p = row.part + c * row.stride + 2;
+    const __m256 w = _mm256_set1_ps(row.weight(c));
+    for (int64_t d = 0; d < dv; ++d) acc[d] = _mm256_fmadd_ps(w, _mm256_loadu_ps(p + d * kLanes), acc[d]);
   }
-  const __m256 inv = _mm256_set1_ps(1.0f / l);
+  const __m256 inv = _mm256_set1_ps(1.0f / row.l);
   T* orow = a.out + (b * a.Hq + qh) * D;
   for (int64_t d = 0; d < dv; ++d) store8(orow + d * kLanes, _mm256_mul_ps(acc[d], inv));
-}
-
-template <typename T, typename C>
-void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& key_cache,
-                           const torch::Tensor& value_cache, const torch::Tensor& key_scale,
-                           const torch::Tensor& value_scale, const torch::Tensor& block_tables,
-                           const torch::Tensor& context_lens, double scale, int64_t window,
-                           torch::Tensor& out) {
-  const auto args = attention_args<T, C>(q, key_cache, value_cache, key_scale, value_scale,
-                                         block_tables, context_lens, scale, window, out);
-  const int64_t B = q.size(0);
-  AttentionPlan plan(args.lens, B, args.Hkv, args.Hq / args.Hkv, args.D, window);
-  at::parallel_for(0, plan.items(), 1, [&](int64_t b, int64_t e) {
-    AttentionScratch scratch;
-    for (int64_t item = b; item < e; ++item) attend_chunk(args, plan, item, scratch);
-  });
-  if (!plan.merge) return;
-  at::parallel_for(0, B * args.Hq, 16, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) merge_chunks(args, plan, i / args.Hq, i % args.Hq);
-  });
-}
-
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
-                               torch::Tensor key_scale, torch::Tensor value_scale,
-                               torch::Tensor block_tables, torch::Tensor context_lens,
-                               double scale, int64_t window) {
-  return decode_attention_checked(
-      q, key_cache, value_cache, key_scale, value_scale, block_tables, context_lens,
-      [&](auto t, auto c, const torch::Tensor& ks, const torch::Tensor& vs, torch::Tensor& out) {
-        decode_attention_impl<decltype(t), decltype(c)>(q, key_cache, value_cache, ks, vs,
-                                                        block_tables, context_lens, scale, window,
-                                                        out);
-      });
 }
 
 // ---------------------------------------------------------------- bf16 linear
@@ -516,28 +386,17 @@ void bf16_blocks(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, in
   float_blocks(xf, M, Kp, W, KS, bias, y, N, nb0, nb1);
 }
 
-// y [M, N] = x [M, K] W^T (+ bias) with W packed by pack_vnni; any M >= 1, the same bits per row.
-torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, int64_t N,
-                          c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1,
-                    "linear_vnni: x must be [M, K] bfloat16, M >= 1");
-  check_vnni_packed(packed);
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KS = packed.size(1);
-  const int64_t Kp = KS * 32;
-  TORCH_CHECK_VALUE(K <= Kp && K > Kp - 32 && N <= NB * 16 && N > NB * 16 - 64,
-                    "linear_vnni: x or N does not match the packed weight");
-  const torch::Tensor bias_f = float_bias(bias, N, NB * 16, "linear_vnni");
-  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  auto y = torch::empty({M, N}, x.options());
-  auto* yp = y.data_ptr<c10::BFloat16>();
-  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
-  const auto xf = pad_rows(x.contiguous(), M, Kp).to(at::kFloat);  // widened once (exact)
+// linear_vnni's arithmetic (torch_ops.h checks): x [M, K] contiguous, padded to Kp and widened
+// to float once here (exact).
+void linear_vnni_rows(const torch::Tensor& x, int64_t Kp, const uint16_t* wp, int64_t NB,
+                      int64_t KS, const float* bp, c10::BFloat16* yp, int64_t N) {
+  const int64_t M = x.size(0);
+  const auto xf = pad_rows(x, M, Kp).to(at::kFloat);
   const float* xp = xf.data_ptr<float>();
   const int64_t used = (N + 15) / 16;  // column blocks holding outputs (the rest is padding)
   parallel_pieces(used, 8, [&](int64_t b, int64_t e) {
     float_blocks(xp, M, Kp, wp, KS, bp, yp, N, b, e);
   });
-  return y;
 }
 
 // ---------------------------------------------------------------- int8 / int4 linear
@@ -738,69 +597,16 @@ void quant_units(const QuantizedActivations& a, int64_t M, const uint8_t* W, int
   }
 }
 
-template <int BITS, typename T>
-void linear_quant_impl(const torch::Tensor& x, const torch::Tensor& packed, const float* bias,
-                       torch::Tensor& y, int64_t N) {
-  const int64_t M = x.size(0), KB = packed.size(1);
-  static thread_local QuantizedActivations buffer;  // the calling thread's, reused per call
-  QuantizedActivations& a = buffer;  // a reference the workers below capture
-  a.resize(M, KB);
-  const T* xp = x.data_ptr<T>();
-  at::parallel_for(0, M * KB, 256, [&](int64_t b, int64_t e) {
-    quantize_blocks(xp, x.size(1), x.stride(0), KB, a, b, e);
-  });
-  const auto* wp = packed.data_ptr<uint8_t>();
-  T* yp = y.data_ptr<T>();
-  const int64_t units = (N + 31) / 32;  // 32-output units holding outputs
-  parallel_pieces(units, 8, [&](int64_t b, int64_t e) {
-    quant_units<BITS>(a, M, wp, KB, bias, yp, N, b, e);
-  });
-}
-
-// y [M, N] = x [M, K] W^T (+ bias), W quantized (bits 8 or 4) and packed as in common.h; x in
-// float32, bfloat16 or float16 (y in x's dtype). Any M >= 1, the same bits per row.
-torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t bits,
-                           c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(0) >= 1 && x.stride(1) == 1,
-                    "linear_quant: x must be [M, K] with unit stride, M >= 1");
-  check_quant_packed(packed, bits);
-  const int64_t G = packed.size(0), KB = packed.size(1), K = x.size(1);
-  TORCH_CHECK_VALUE(K <= KB * 32 && K > KB * 32 - 32 && N <= G * 64 && N > G * 64 - 64,
-                    "linear_quant: x or N does not match the packed weight");
-  const torch::Tensor bias_f = float_bias(bias, N, G * 64, "linear_quant");
-  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
-  auto y = torch::empty({x.size(0), N}, x.options());
-  return THERMOSTAT_DISPATCH_FLOAT(x.scalar_type(), "linear_quant", [&] {
-    if (bits == 8) linear_quant_impl<8, scalar_t>(x, packed, bp, y, N);
-    else if (bits == 5) linear_quant_impl<5, scalar_t>(x, packed, bp, y, N);
-    else linear_quant_impl<4, scalar_t>(x, packed, bp, y, N);
-    return y;
-  });
-}
-
 bool amx_permitted() { return false; }
-bool uses_amx() { return false; }
+
+#include "torch_ops.h"
 
 }  // namespace
 
 #include "decode_stack.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim of [rows, dim]", nogil);
-  m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual)", nogil);
-  m.def("rotary_", &rotary_, "in-place rotary embedding (half-split layout)", nogil);
-  m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate_up projection", nogil);
-  m.def("write_kv", &write_kv, "store new tokens' K/V into their cache slots", nogil);
-  m.def("decode_attention", &decode_attention, "paged attention of one query token per sequence",
-        nogil);
-  m.def("pack_vnni", &pack_vnni, "bf16 weight [N, K] -> the layout linear_vnni reads", nogil);
-  m.def("linear_vnni", &linear_vnni, "x W^T + b for bf16 rows, the same bits per row at any M",
-        nogil);
+  def_ops(m);
   m.def("uses_amx", &uses_amx, "whether linear_vnni runs on AMX tiles here (never: AVX2)");
-  m.def("quant_rows", &quant_rows, "rows of an int8 / 4-bit packed weight, dequantized", nogil);
-  m.def("grid_steps", &grid_steps, "the integer grid step of each block of 32 (0: none)", nogil);
-  m.def("linear_quant", &linear_quant, "x W^T + b with int8 / 4-bit weights in blocks of 32",
-        nogil);
   def_decode_stack(m);
 }

@@ -39,9 +39,9 @@ ISA_FLAG_PREFIXES = ("avx", "amx", "sse", "ssse", "fma", "f16c", "bmi", "abm", "
 
 @dataclass(frozen=True)
 class Build:
-    """One compiled module: its source (with the headers it includes: common.h, decode_stack.h,
-    and in the AVX-512 build prefill_attention.h), its name, and the instruction sets (Linux
-    /proc/cpuinfo names) it needs."""
+    """One compiled module: its source (with the headers it includes: common.h, torch_ops.h,
+    decode_stack.h, and in the AVX-512 build prefill_attention.h), its name, and the instruction
+    sets (Linux /proc/cpuinfo names) it needs."""
 
     name: str
     source: Path
@@ -49,7 +49,8 @@ class Build:
     what: str  # for logs
 
     def source_bytes(self) -> bytes:
-        headers = (HERE / name for name in ("common.h", "decode_stack.h", "prefill_attention.h"))
+        names = ("common.h", "torch_ops.h", "decode_stack.h", "prefill_attention.h")
+        headers = (HERE / name for name in names)
         return b"\0".join([self.source.read_bytes(), *(h.read_bytes() for h in headers)])
 
 

@@ -328,6 +328,25 @@ struct AttentionPlan {
     parts.resize(first[B] * group * (D + 2));
   }
   int64_t items() const { return first.back(); }
+
+  // Row b's query head qh (of `group` per KV head, Hkv of them) across the row's chunks, for
+  // merge_chunks: its first chunk's part, the stride to the next chunk's, the count, M (the
+  // largest max score m_c), and l = sum_c weight(c) l_c in chunk order.
+  struct Row {
+    const float* part;
+    int64_t stride, chunks;
+    float top, l;
+    float weight(int64_t c) const { return std::exp(part[c * stride] - top); }  // exp(m_c - M)
+  };
+  Row row(int64_t b, int64_t qh, int64_t Hkv, int64_t group, int64_t D) const {
+    const int64_t stride = group * (D + 2), chunks = (first[b + 1] - first[b]) / Hkv;
+    Row r{parts.data() + (first[b] + (qh / group) * chunks) * stride + (qh % group) * (D + 2),
+          stride, chunks, 0.0f, 0.0f};
+    r.top = r.part[0];
+    for (int64_t c = 1; c < chunks; ++c) r.top = std::max(r.top, r.part[c * stride]);
+    for (int64_t c = 0; c < chunks; ++c) r.l += r.weight(c) * r.part[c * stride + 1];
+    return r;
+  }
 };
 
 constexpr int64_t kAheadTokens = 8;  // decode attention prefetches K/V rows this far ahead

@@ -11,7 +11,7 @@
 //   bf16_blocks                         a bf16 linear's column blocks [nb0, nb1) of 16 outputs
 //   quantize_blocks, quant_units<BITS>  an int8 / 4-bit linear's activations, its 32-output units
 //   amx_permitted                       whether linear_vnni runs on AMX here
-//   rms_norm ... linear_quant           the ops themselves (the per-op way through)
+//   rms_norm ... linear_quant           the ops themselves (torch_ops.h: the per-op way through)
 
 #pragma once
 
