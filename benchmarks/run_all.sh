@@ -26,9 +26,13 @@ declare -A runs=(
 order=(bench_engine bench_engine_formats bench_http bench_structured bench_speculative bench_gateway
   bench_pd bench_deepseek_v3 bench_deepseek_v4 bench_console quant_accuracy calibrate_quality
   bench_long_context bench_prefill)
-for name in "${@:-${order[@]}}"; do
+for name in "$@"; do
   [[ -n "${runs[$name]:-}" ]] || { echo "unknown benchmark: $name (one of: ${order[*]})" >&2; exit 2; }
+done
+failed=()
+for name in "${@:-${order[@]}}"; do
   echo "== $name: python ${runs[$name]}" >&2
   # shellcheck disable=SC2086  # the arguments are words
-  $py ${runs[$name]}
+  $py ${runs[$name]} || failed+=("$name")
 done
+[[ ${#failed[@]} -eq 0 ]] || { echo "failed: ${failed[*]}" >&2; exit 1; }
