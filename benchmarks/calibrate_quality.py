@@ -198,9 +198,13 @@ def chunked(docs: list[str], rng: random.Random, limit: int) -> list[str]:
     return rng.sample(pieces, limit) if len(pieces) > limit else pieces
 
 
-def token_unit(rng: random.Random, source: str, period: int) -> str:
-    """The original text of `period` consecutive tokens of `source`, then a space."""
-    spans = [m.span() for m in re.finditer(r"\w+|[^\w\s]", source)]
+def token_unit(rng: random.Random, prose: list[str], period: int) -> str:
+    """The original text of `period` consecutive tokens of one of `prose`, then a space (a
+    document of fewer tokens is passed over)."""
+    spans: list[tuple[int, int]] = []
+    while len(spans) <= period:
+        source = rng.choice(prose)
+        spans = [m.span() for m in re.finditer(r"\w+|[^\w\s]", source)]
     i = rng.randrange(0, len(spans) - period)
     return source[spans[i][0] : spans[i + period - 1][1]] + " "
 
@@ -219,7 +223,7 @@ def loop_cases(rng: random.Random, prose: list[str], n: int) -> Iterator[Case]:
         source = rng.choice(prose)
         prefix = next(chunks(source, rng, 100, 800), source[:400])
         period, repeats = rng.randint(1, 40), rng.randint(3, 20)
-        unit = token_unit(rng, rng.choice(prose), period)
+        unit = token_unit(rng, prose, period)
         loop = unit * repeats
         if rng.random() < 0.5:
             loop += unit[: rng.randrange(1, len(unit))]
@@ -257,7 +261,7 @@ def counter_cases(rng: random.Random, prose: list[str], n: int) -> Iterator[Case
     """Counting loops: a cycle of 5..30 tokens with a number that increments every cycle."""
     for _ in range(n):
         prefix = next(chunks(rng.choice(prose), rng, 100, 800))
-        unit = token_unit(rng, rng.choice(prose), rng.randint(5, 30))
+        unit = token_unit(rng, prose, rng.randint(5, 30))
         repeats = rng.randint(12, 24)
         loop = "".join(f"Step {k}: {unit}\n" for k in range(1, repeats + 1))
         yield Case("counting loop, 12-24 cycles", prefix + "\n" + loop)
