@@ -167,9 +167,11 @@ def browser() -> Iterator[Any]:
         b.close()
 
 
-def open_console(browser: Any, url: str, **context: Any) -> tuple[Any, list[str]]:
+def open_console(
+    browser: Any, url: str, viewport: dict[str, int] | None = None, **context: Any
+) -> tuple[Any, list[str]]:
     """A new page on the console, and the list its console errors and page errors go to."""
-    page = browser.new_page(viewport={"width": 1400, "height": 1600}, **context)
+    page = browser.new_page(viewport=viewport or {"width": 1400, "height": 1600}, **context)
     page.set_default_timeout(GUARD_MS)
     errors: list[str] = []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)

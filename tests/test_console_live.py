@@ -12,7 +12,7 @@ import httpx
 
 from tests import test_console
 from tests.server_utils import running_server
-from tests.test_console import GUARD_MS, LOOPING
+from tests.test_console import LOOPING
 from tests.test_gateway import running_gateway
 from tests.waiting import HANG_GUARD_S
 from thermostat.engine.loader import DEMO_MODEL_DIR
@@ -21,17 +21,6 @@ browser = test_console.browser  # its Chromium fixture, module-scoped here too
 HALF_SCREEN = {"width": 960, "height": 900}  # a browser window beside a terminal on 1920 px
 ROWS = "#requests-table tbody tr"
 HI = [{"role": "user", "content": "hi"}]
-
-
-def open_page(browser: Any, url: str, viewport: dict[str, int]) -> tuple[Any, list[str]]:
-    """A new page on the console and its uncaught errors, console errors included."""
-    page = browser.new_page(viewport=viewport)
-    page.set_default_timeout(GUARD_MS)
-    errors: list[str] = []
-    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    page.goto(url + "/")
-    return page, errors
 
 
 def listed(page: Any) -> list[dict[str, Any]]:
@@ -63,7 +52,7 @@ def test_degenerate_only_shows_the_degenerate_requests_marked_in_a_narrow_window
         degenerate = {str(r["id"]) for r in rows if r["degenerate"]}
         assert 0 < len(degenerate) < len(rows), rows  # the precondition: both kinds listed
 
-        page, errors = open_page(browser, server.url, HALF_SCREEN)
+        page, errors = test_console.open_console(browser, server.url, HALF_SCREEN)
         page.wait_for_function(f"document.querySelectorAll('{ROWS}').length === {len(rows)}")
         page.check("#only-degenerate")
         shown = listed(page)
@@ -87,7 +76,7 @@ def test_a_request_through_a_restarted_gateway_shows_within_the_pages_refresh(
     names its process (`instance`); a page that finds another one starts its list over."""
     with running_server(DEMO_MODEL_DIR) as upstream:
         with running_gateway(upstream.url) as url:
-            page, errors = open_page(browser, url, {"width": 1400, "height": 1000})
+            page, errors = test_console.open_console(browser, url, {"width": 1400, "height": 1000})
             for _ in range(3):
                 httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 4})
             body = {"model": upstream.model, "max_tokens": 4, "messages": HI}
