@@ -18,16 +18,33 @@ from thermostat.models.quant import QuantizedWeight, quantize, reference_linear
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
-INT_FORMATS = ["int8", "int4", "int4-min"]
+INT_FORMATS = ["int8", "int4", "int4-min", "k4", "k8"]
 
 
 def quantized(w: torch.Tensor, fmt: str) -> QuantizedWeight:
-    """`quantize(w, fmt)`; "int4-min": int4's minimum form (`bits` 5, a Q4_1 file's blocks)."""
-    if fmt != "int4-min":
-        return quantize(w, fmt)
+    """`quantize(w, fmt)`; "int4-min": int4's minimum form (`bits` 5, a Q4_1 file's blocks);
+    "k4" / "k8": the GGUF K-quants' forms with float32 scales (`bits` 6: d, m per 32; `bits` 9:
+    int8 with a d per 16 and an m per 32), d a float16 times a 6-bit integer as a K-quant's (no
+    float16 value, and q d exact in float32)."""
     k = w.shape[1]
-    q, d, z, m = quantize_int4_min(F.pad(w.float(), (0, -k % 32)))
-    return QuantizedWeight.pack(q[:, :k], d, z, m)
+    padded = F.pad(w.float(), (0, -k % 32))
+    if fmt == "int4-min":
+        q, d, z, m = quantize_int4_min(padded)
+        return QuantizedWeight.pack(q[:, :k], d, z, m)
+    if fmt == "k4":
+        blocks = padded.view(w.shape[0], -1, 32)
+        m = blocks.amin(dim=-1)
+        d = ((blocks.amax(dim=-1) - m) / 15 / 37).half().float() * 37
+        q = torch.round((blocks - m[..., None]) / d[..., None]).clamp(0, 15)
+        return QuantizedWeight.pack(q.view(w.shape[0], -1)[:, :k].to(torch.uint8), d, m=m, bits=6)
+    if fmt == "k8":
+        blocks = padded.view(w.shape[0], -1, 32)
+        m = blocks.mean(dim=-1)
+        halves = (blocks - m[..., None]).reshape(w.shape[0], -1, 16)
+        d = (halves.abs().amax(dim=-1) / 127 / 37).half().float() * 37
+        q = torch.round(halves / d[..., None]).clamp(-128, 127)
+        return QuantizedWeight.pack(q.view(w.shape[0], -1)[:, :k].to(torch.int8), d, m=m, bits=9)
+    return quantize(w, fmt)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17, 70])
@@ -121,8 +138,10 @@ def test_linear_quant_refuses_bad_input(ops):
         ops.linear_quant(torch.randn(1, 64), replace(q4, bits=8), None)
     with pytest.raises(ValueError, match="packed int5"):
         ops.linear_quant(torch.randn(1, 64), replace(q4, bits=5), None)
-    with pytest.raises(ValueError, match="bits must be 8, 4 or 5"):
+    with pytest.raises(ValueError, match="packed int6"):
         ops.linear_quant(torch.randn(1, 64), replace(q4, bits=6), None)
+    with pytest.raises(ValueError, match="bits must be 8, 4, 5, 6 or 9"):
+        ops.linear_quant(torch.randn(1, 64), replace(q4, bits=7), None)
 
 
 @pytest.mark.parametrize("fmt", INT_FORMATS)

@@ -435,7 +435,8 @@ void quantize_blocks(const T* xp, int64_t K, int64_t stride, int64_t KB, Quantiz
     for (int h = 0; h < 4; ++h) {
       q[h] = _mm256_cvtps_epi32(_mm256_mul_ps(v[h], _mm256_set1_ps(id)));  // nearest even
     }
-    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    const __m256i low = _mm256_add_epi32(q[0], q[1]);  // K 0-15
+    const __m256i s = _mm256_add_epi32(low, _mm256_add_epi32(q[2], q[3]));
     // [q0 q1 | q2 q3] packed to bytes come out lane-interleaved; the permute puts K back in order
     const __m256i words01 = _mm256_packs_epi32(q[0], q[1]), words23 = _mm256_packs_epi32(q[2], q[3]);
     const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words01, words23),
@@ -443,25 +444,42 @@ void quantize_blocks(const T* xp, int64_t K, int64_t stride, int64_t KB, Quantiz
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + m * Kp + k0), bytes);
     a.s[i] = d;
     a.sum[i] = hsum(s);
+    a.low[i] = hsum(low);
   }
 }
 
-// Row m's integer sums of half h (8 outputs) of column block c of one record (K block kb) into the
-// row's running float sums (`sums`, [row][64]): common.h's float step.
+// 8 of a record's scales (float16 or float32) at byte `at`, from output `lane`.
+template <bool F32>
+inline __m256 load_scales(const uint8_t* rec, int64_t at, int lane) {
+  if constexpr (F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(rec + at) + lane);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + at + 2 * lane)));
+}
+
+// Row m's integer sums of half h (8 outputs) of column block c of one record (K block kb; code 9:
+// `acc` K 0-15's, `up` K 16-31's) into the row's running float sums (`sums`, [row][64]): common.h's
+// float step.
 template <int BITS>
 inline void add_half(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
-                     int64_t m, int c, int h, __m256i acc, float* sums) {
+                     int64_t m, int c, int h, __m256i acc, __m256i up, float* sums) {
+  constexpr QuantLayout layout = quant_layout(BITS);
   const int64_t j = m * KB + kb;
   const int lane = c * 16 + h * 8;
-  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 2 * lane)));
-  const __m256i z = BITS == 8 ? _mm256_setzero_si256()
-                              : _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 128 + lane)));
+  const __m256 s = _mm256_set1_ps(a.s[j]);
+  const __m256 d = load_scales<layout.f32>(rec, layout.d, lane);
   float* at = sums + m * 64 + lane;
-  const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(a.s[j]));
-  const __m256i fixed = _mm256_sub_epi32(acc, _mm256_mullo_epi32(z, _mm256_set1_epi32(a.sum[j])));
-  __m256 added = _mm256_fmadd_ps(ds, _mm256_cvtepi32_ps(fixed), _mm256_loadu_ps(at));
-  if constexpr (BITS == 5) {  // m s sum(xq)
-    const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 192 + 2 * lane)));
+  __m256 added;
+  if constexpr (layout.halves) {  // the bytes' q are signed here (xor 0x80): no zero point
+    const __m256 d_hi = load_scales<true>(rec, layout.d + 256, lane);
+    added = _mm256_fmadd_ps(_mm256_mul_ps(d, s), _mm256_cvtepi32_ps(acc), _mm256_loadu_ps(at));
+    added = _mm256_fmadd_ps(_mm256_mul_ps(d_hi, s), _mm256_cvtepi32_ps(up), added);
+  } else {
+    const __m256i z = layout.z < 0 ? _mm256_setzero_si256()
+                                   : _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + layout.z + lane)));
+    const __m256i fixed = _mm256_sub_epi32(acc, _mm256_mullo_epi32(z, _mm256_set1_epi32(a.sum[j])));
+    added = _mm256_fmadd_ps(_mm256_mul_ps(d, s), _mm256_cvtepi32_ps(fixed), _mm256_loadu_ps(at));
+  }
+  if constexpr (layout.m >= 0) {  // m s sum(xq)
+    const __m256 mins = load_scales<layout.f32>(rec, layout.m, lane);
     added = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.s[j] * static_cast<float>(a.sum[j])), added);
   }
   _mm256_storeu_ps(at, added);
@@ -473,19 +491,20 @@ inline void add_half(const QuantizedActivations& a, const uint8_t* rec, int64_t 
 template <int BITS, int R>
 inline void quant_block(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
                         int64_t m0, int c, const int32_t* xt, float* sums) {
-  constexpr int64_t header = quant_layout(BITS).header;
+  constexpr QuantLayout layout = quant_layout(BITS);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int h = 0; h < 2; ++h) {
-    __m256i acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
-    for (int kq = 0; kq < (BITS == 8 ? 8 : 4); ++kq) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + header + (kq * 4 + c) * 64 + 32 * h));
-      if (BITS == 8) {
+    __m256i acc[R], up[R];  // code 9: K 16-31 into up
+    for (int r = 0; r < R; ++r) acc[r] = up[r] = _mm256_setzero_si256();
+    for (int kq = 0; kq < (layout.nibbles ? 4 : 8); ++kq) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + layout.header + (kq * 4 + c) * 64 + 32 * h));
+      if (!layout.nibbles) {
         const __m256i w = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80)));
         const __m256i w_abs = _mm256_sign_epi8(w, w);
+        __m256i (&into)[R] = layout.halves && kq >= 4 ? up : acc;
         for (int r = 0; r < R; ++r) {
           const __m256i pairs = _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(_mm256_set1_epi32(xt[kq * R + r]), w));
-          acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs, ones));
+          into[r] = _mm256_add_epi32(into[r], _mm256_madd_epi16(pairs, ones));
         }
       } else {
         const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -497,7 +516,7 @@ inline void quant_block(const QuantizedActivations& a, const uint8_t* rec, int64
         }
       }
     }
-    for (int r = 0; r < R; ++r) add_half<BITS>(a, rec, KB, kb, m0 + r, c, h, acc[r], sums);
+    for (int r = 0; r < R; ++r) add_half<BITS>(a, rec, KB, kb, m0 + r, c, h, acc[r], up[r], sums);
   }
 }
 
@@ -506,23 +525,24 @@ inline void quant_block(const QuantizedActivations& a, const uint8_t* rec, int64
 template <int BITS, int C>
 inline void quant_row(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
                       int64_t m, int c0, float* sums) {
-  constexpr int64_t header = quant_layout(BITS).header;
+  constexpr QuantLayout layout = quant_layout(BITS);
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* xr = a.q.data() + m * KB * 32 + kb * 32;
-  __m256i acc[C][2];
-  for (int c = 0; c < C; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_si256();
-  for (int kq = 0; kq < (BITS == 8 ? 8 : 4); ++kq) {
+  __m256i acc[C][2], up[C][2];  // code 9: K 16-31 into up
+  for (int c = 0; c < C; ++c) acc[c][0] = acc[c][1] = up[c][0] = up[c][1] = _mm256_setzero_si256();
+  for (int kq = 0; kq < (layout.nibbles ? 4 : 8); ++kq) {
     int32_t quad;
     std::memcpy(&quad, xr + kq * 4, sizeof(quad));
     const __m256i xb = _mm256_set1_epi32(quad);
-    std::memcpy(&quad, xr + (BITS == 8 ? 0 : 16) + kq * 4, sizeof(quad));
+    std::memcpy(&quad, xr + (layout.nibbles ? 16 : 0) + kq * 4, sizeof(quad));
     const __m256i xh = _mm256_set1_epi32(quad);  // int4: the high nibbles' K
+    __m256i (&into)[C][2] = layout.halves && kq >= 4 ? up : acc;
     for (int c = 0; c < C; ++c) {
-      const uint8_t* p = rec + header + (kq * 4 + c0 + c) * 64;
+      const uint8_t* p = rec + layout.header + (kq * 4 + c0 + c) * 64;
       for (int h = 0; h < 2; ++h) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
         __m256i pairs;
-        if (BITS == 8) {
+        if (!layout.nibbles) {
           const __m256i w = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80)));
           pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xb, w));
         } else {
@@ -531,12 +551,12 @@ inline void quant_row(const QuantizedActivations& a, const uint8_t* rec, int64_t
               _mm256_maddubs_epi16(_mm256_and_si256(raw, low4), xb),
               _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4), xh));
         }
-        acc[c][h] = _mm256_add_epi32(acc[c][h], _mm256_madd_epi16(pairs, ones));
+        into[c][h] = _mm256_add_epi32(into[c][h], _mm256_madd_epi16(pairs, ones));
       }
     }
   }
   for (int c = 0; c < C; ++c) {
-    for (int h = 0; h < 2; ++h) add_half<BITS>(a, rec, KB, kb, m, c0 + c, h, acc[c][h], sums);
+    for (int h = 0; h < 2; ++h) add_half<BITS>(a, rec, KB, kb, m, c0 + c, h, acc[c][h], up[c][h], sums);
   }
 }
 

@@ -16,9 +16,20 @@
 //   z      64 int8 (int4 only)             64 bytes, [c][n]
 //   int8   [kq 8][c 4][n 16][4] bytes q + 128 (unsigned)                          2048 bytes
 //   int4   [kq 4][c 4][n 16][4] low nibble: K 4 kq + j, high nibble: K 16 + 4 kq + j  1024 bytes
+// Each record's header and body, by format code (`bits`; quant_layout):
+//   code  header (each [c][n])                              body   w, per block of 32     GGUF
+//   8     d f16                                   128 bytes int8   d q                    Q8_0 Q5_0
+//   4     d f16, z int8                           192       int4   d (q - z)              Q4_0
+//   5     d f16, z int8, m f16                    320       int4   d (q - z) + m          Q4_1
+//   6     d f32, m f32                            512       int4   d q + m                Q4_K
+//   9     d f32 K 0-15, d f32 K 16-31, m f32      768       int8   d_half q + m           Q5_1 Q5_K
+//                                                                                         Q6_K
+// (float32 scales: a K-quant's d x its 6-bit sub-block scale needs 17 bits, which float16 has
+// not; code 9's two d's per block hold Q6_K's sub-blocks of 16.)
 // Activations are quantized per row and K block as q8_0 does (s = max|x| / 127, xq = round(x / s)
 // to nearest even). Both builds sum the integer products of a block exactly and then, per K block
-// in K order, for each output: y += (d s) float(sum_k (q - z) xq) by one fused multiply-add, so a
+// in K order, for each output: y += (d s) float(sum_k (q - z) xq) by one fused multiply-add (code
+// 9: one per half, K 0-15 first), then y += m (s sum(xq)) by another where the format has m, so a
 // row's result is the same bits whatever the rows batched with it (and the same on either build).
 
 #pragma once
@@ -35,6 +46,7 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -112,33 +124,56 @@ void check_vnni_packed(const torch::Tensor& packed) {
 }
 
 struct QuantLayout {
-  int64_t header, record;  // bytes of d (+ z, + m) and of a whole record
+  int64_t header, record;  // bytes of the scales (d, z, m) and of a whole record
+  bool nibbles;            // 4-bit body (else int8, stored q + 128)
+  int64_t d, z, m;         // offsets of d, z and m in the header (-1: none)
+  bool f32;                // d and m float32 (else float16)
+  bool halves;             // two d per block: K 0-15 at d, K 16-31 at d + 256
 };
 
-// bits 8: w = d q; 4: w = d (q - z), q 4-bit; 5: 4-bit with a float16 minimum per block after
-// z, w = d (q - z) + m (llama.cpp's Q4_1 form, its blocks served as the file has them).
+// The table above.
 constexpr QuantLayout quant_layout(int bits) {
-  return bits == 8   ? QuantLayout{128, 128 + 2048}
-         : bits == 5 ? QuantLayout{320, 320 + 1024}
-                     : QuantLayout{192, 192 + 1024};
+  switch (bits) {
+    case 8: return {128, 128 + 2048, false, 0, -1, -1, false, false};
+    case 4: return {192, 192 + 1024, true, 0, 128, -1, false, false};
+    case 5: return {320, 320 + 1024, true, 0, 128, 192, false, false};
+    case 6: return {512, 512 + 1024, true, 0, -1, 256, true, false};
+    default: return {768, 768 + 2048, false, 0, -1, 512, true, true};  // 9
+  }
 }
 
-constexpr bool valid_bits(int64_t bits) { return bits == 8 || bits == 4 || bits == 5; }
+constexpr bool valid_bits(int64_t bits) {
+  return bits == 8 || bits == 4 || bits == 5 || bits == 6 || bits == 9;
+}
+
+// f(std::integral_constant<int, BITS>()) for the format code `bits` (checked before).
+template <typename F>
+void with_quant_format(int64_t bits, const F& f) {
+  switch (bits) {
+    case 8: f(std::integral_constant<int, 8>()); break;
+    case 4: f(std::integral_constant<int, 4>()); break;
+    case 5: f(std::integral_constant<int, 5>()); break;
+    case 6: f(std::integral_constant<int, 6>()); break;
+    default: f(std::integral_constant<int, 9>()); break;
+  }
+}
 
 struct QuantizedActivations {
   std::vector<int8_t> q;     // [M, Kp]
   std::vector<float> s;      // [M, KB]: the block's scale
   std::vector<int32_t> sum;  // [M, KB]: sum of the block's q
+  std::vector<int32_t> low;  // [M, KB]: sum of its first 16 q (code 9's halves)
 
   void resize(int64_t M, int64_t KB) {
     q.resize(M * KB * 32);
     s.resize(M * KB);
     sum.resize(M * KB);
+    low.resize(M * KB);
   }
 };
 
 void check_quant_packed(const torch::Tensor& packed, int64_t bits) {
-  TORCH_CHECK_VALUE(valid_bits(bits), "linear_quant: bits must be 8, 4 or 5");
+  TORCH_CHECK_VALUE(valid_bits(bits), "linear_quant: bits must be 8, 4, 5, 6 or 9");
   TORCH_CHECK_VALUE(packed.dim() == 3 && packed.is_contiguous() &&
                         packed.scalar_type() == at::kByte &&
                         packed.size(2) == quant_layout(static_cast<int>(bits)).record,
@@ -149,7 +184,7 @@ void check_quant_packed(const torch::Tensor& packed, int64_t bits) {
 // lookup): w = float(q - z) * float(d) (+ m), rounded once, as QuantizedWeight.rows computes it.
 torch::Tensor quant_rows(torch::Tensor packed, torch::Tensor ids, int64_t n, int64_t k,
                          int64_t bits, at::ScalarType dtype) {
-  TORCH_CHECK_VALUE(valid_bits(bits), "quant_rows: bits must be 8, 4 or 5");
+  TORCH_CHECK_VALUE(valid_bits(bits), "quant_rows: bits must be 8, 4, 5, 6 or 9");
   const QuantLayout layout = quant_layout(static_cast<int>(bits));
   TORCH_CHECK_VALUE(packed.dim() == 3 && packed.is_contiguous() &&
                         packed.scalar_type() == at::kByte && packed.size(2) == layout.record,
@@ -172,13 +207,18 @@ torch::Tensor quant_rows(torch::Tensor packed, torch::Tensor ids, int64_t n, int
       const int64_t g = ip[t] / 64, lane = ip[t] % 64, c = lane / 16, j = lane % 16;
       for (int64_t kb = 0; kb < KB; ++kb) {
         const uint8_t* rec = wp + (g * KB + kb) * layout.record;
-        const float d = static_cast<float>(reinterpret_cast<const c10::Half*>(rec)[lane]);
-        const float z = bits == 8 ? 128.0f : static_cast<float>(static_cast<int8_t>(rec[128 + lane]));
-        const float m = bits == 5 ? static_cast<float>(reinterpret_cast<const c10::Half*>(rec + 192)[lane]) : 0.0f;
+        auto scale = [&](int64_t at) {
+          return layout.f32 ? reinterpret_cast<const float*>(rec + at)[lane]
+                            : static_cast<float>(reinterpret_cast<const c10::Half*>(rec + at)[lane]);
+        };
+        const float z = layout.nibbles ? (layout.z < 0 ? 0.0f : static_cast<float>(static_cast<int8_t>(rec[layout.z + lane])))
+                                       : 128.0f;
+        const float m = layout.m < 0 ? 0.0f : scale(layout.m);
         for (int64_t i = 0; i < 32 && kb * 32 + i < k; ++i) {
-          const int64_t kq = bits == 8 ? i / 4 : (i % 16) / 4, part = i % 4;
+          const float d = scale(layout.halves && i >= 16 ? 256 : 0);
+          const int64_t kq = layout.nibbles ? (i % 16) / 4 : i / 4, part = i % 4;
           const uint8_t byte = rec[layout.header + ((kq * 4 + c) * 16 + j) * 4 + part];
-          const int q = bits == 8 ? byte : (i < 16 ? byte & 15 : byte >> 4);
+          const int q = layout.nibbles ? (i < 16 ? byte & 15 : byte >> 4) : byte;
           op[t * k + kb * 32 + i] = static_cast<scalar_t>(std::fma(static_cast<float>(q) - z, d, m));
         }
       }

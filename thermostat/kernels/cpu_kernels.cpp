@@ -544,35 +544,36 @@ void quantize_blocks(const T* xp, int64_t K, int64_t stride, int64_t KB, Quantiz
         _mm512_max_ps(_mm512_and_ps(v[0], absmask), _mm512_and_ps(v[1], absmask)));
     const float d = amax / 127.0f;
     const float id = d > 0.0f ? 1.0f / d : 0.0f;
-    int32_t sum = 0;
+    int32_t sums[2];
     for (int h = 0; h < 2; ++h) {
       const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(id)));  // nearest even
-      sum += _mm512_reduce_add_epi32(q);
+      sums[h] = _mm512_reduce_add_epi32(q);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(a.q.data() + m * Kp + k0 + 16 * h),
                        _mm512_cvtsepi32_epi8(q));
     }
     a.s[i] = d;
-    a.sum[i] = sum;
+    a.sum[i] = sums[0] + sums[1];
+    a.low[i] = sums[0];
   }
 }
 
 // Rows [m0, m0 + R) x column blocks [c0, c0 + C) of a group, K block kb (one record): the block's
-// integer dot products, exact, into acc.
+// integer dot products, exact, into acc (code 9: K 0-15's into acc, K 16-31's into hi).
 template <int BITS, int R, int C, bool PREFETCH>
 inline void block_dots(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
-                       int64_t m0, int c0, __m512i (&acc)[R][C]) {
+                       int64_t m0, int c0, __m512i (&acc)[R][C], __m512i (&hi)[R][C]) {
+  constexpr QuantLayout layout = quant_layout(BITS);
   const int64_t Kp = KB * 32;
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
-  constexpr int64_t header = quant_layout(BITS).header;
-  const uint8_t* wp = rec + header;
-  for (int kq = 0; kq < (BITS == 8 ? 8 : 4); ++kq) {
+    for (int c = 0; c < C; ++c) acc[r][c] = hi[r][c] = _mm512_setzero_si512();
+  const uint8_t* wp = rec + layout.header;
+  for (int kq = 0; kq < (layout.nibbles ? 4 : 8); ++kq) {
     __m512i w[C], w_hi[C];
     for (int c = 0; c < C; ++c) {
       const uint8_t* p = wp + (kq * 4 + c0 + c) * 64;
       if (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
       const __m512i raw = _mm512_loadu_si512(p);
-      if (BITS == 8) {
+      if (!layout.nibbles) {
         w[c] = raw;
       } else {
         const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -585,8 +586,12 @@ inline void block_dots(const QuantizedActivations& a, const uint8_t* rec, int64_
       int32_t quad;
       std::memcpy(&quad, xr + kq * 4, sizeof(quad));
       const __m512i xb = _mm512_set1_epi32(quad);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w[c], xb);
-      if (BITS != 8) {
+      if (layout.halves && kq >= 4) {
+        for (int c = 0; c < C; ++c) hi[r][c] = _mm512_dpbusd_epi32(hi[r][c], w[c], xb);
+      } else {
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w[c], xb);
+      }
+      if (layout.nibbles) {
         std::memcpy(&quad, xr + 16 + kq * 4, sizeof(quad));
         const __m512i xh = _mm512_set1_epi32(quad);
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w_hi[c], xh);
@@ -595,20 +600,40 @@ inline void block_dots(const QuantizedActivations& a, const uint8_t* rec, int64_
   }
 }
 
+// 16 of a record's scales (float16 or float32) at byte `at`, column block cc.
+template <bool F32>
+inline __m512 load_scales(const uint8_t* rec, int64_t at, int cc) {
+  if constexpr (F32) return _mm512_loadu_ps(reinterpret_cast<const float*>(rec + at) + cc * 16);
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + at + cc * 32)));
+}
+
 // Column block cc's running sums of row m (K blocks before kb) plus K block kb's: the block's
-// integer dot products `dots` less z sum(xq), times d s, added in one fused step.
+// integer dot products `dots` less z sum(xq), times d s, added in one fused step (code 9: the
+// halves' in two, K 0-15 first); then m s sum(xq) in another where the format has m.
 template <int BITS>
 inline __m512 add_block(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
-                        int64_t m, int cc, __m512i dots, __m512 sums) {
+                        int64_t m, int cc, __m512i dots, __m512i hi, __m512 sums) {
+  constexpr QuantLayout layout = quant_layout(BITS);
   const int64_t j = m * KB + kb;
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + cc * 32)));
-  const __m512i z = BITS == 8 ? _mm512_set1_epi32(128)
-                              : _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 128 + cc * 16)));
-  const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(a.s[j]));
-  const __m512i fixed = _mm512_sub_epi32(dots, _mm512_mullo_epi32(z, _mm512_set1_epi32(a.sum[j])));
-  const __m512 added = _mm512_fmadd_ps(ds, _mm512_cvtepi32_ps(fixed), sums);
-  if constexpr (BITS != 5) return added;
-  const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 192 + cc * 32)));
+  const __m512 s = _mm512_set1_ps(a.s[j]);
+  const __m512 d = load_scales<layout.f32>(rec, layout.d, cc);
+  __m512 added;
+  if constexpr (layout.halves) {  // int8 bytes q + 128: less 128 sum(xq) of each half
+    const int32_t low = a.low[j], high = a.sum[j] - a.low[j];
+    const __m512i lo = _mm512_sub_epi32(dots, _mm512_set1_epi32(128 * low));
+    const __m512i up = _mm512_sub_epi32(hi, _mm512_set1_epi32(128 * high));
+    const __m512 d_hi = load_scales<true>(rec, layout.d + 256, cc);
+    added = _mm512_fmadd_ps(_mm512_mul_ps(d, s), _mm512_cvtepi32_ps(lo), sums);
+    added = _mm512_fmadd_ps(_mm512_mul_ps(d_hi, s), _mm512_cvtepi32_ps(up), added);
+  } else {
+    const __m512i z = !layout.nibbles ? _mm512_set1_epi32(128)
+                      : layout.z < 0  ? _mm512_setzero_si512()
+                                      : _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + layout.z + cc * 16)));
+    const __m512i fixed = _mm512_sub_epi32(dots, _mm512_mullo_epi32(z, _mm512_set1_epi32(a.sum[j])));
+    added = _mm512_fmadd_ps(_mm512_mul_ps(d, s), _mm512_cvtepi32_ps(fixed), sums);
+  }
+  if constexpr (layout.m < 0) return added;
+  const __m512 mins = load_scales<layout.f32>(rec, layout.m, cc);
   return _mm512_fmadd_ps(mins, _mm512_set1_ps(a.s[j] * static_cast<float>(a.sum[j])), added);  // m s sum(xq)
 }
 
@@ -631,10 +656,10 @@ void quant_group(const QuantizedActivations& a, int64_t M, const uint8_t* W, int
       for (int c = 0; c < C; ++c) run[r][c] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < KB; ++kb) {
       const uint8_t* rec = rec0 + kb * record;
-      __m512i acc[R][C];
-      block_dots<BITS, R, C, PREFETCH>(a, rec, KB, kb, m0, c0, acc);
+      __m512i acc[R][C], hi[R][C];
+      block_dots<BITS, R, C, PREFETCH>(a, rec, KB, kb, m0, c0, acc, hi);
       for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) run[r][c] = add_block<BITS>(a, rec, KB, kb, m0 + r, c0 + c, acc[r][c], run[r][c]);
+        for (int c = 0; c < C; ++c) run[r][c] = add_block<BITS>(a, rec, KB, kb, m0 + r, c0 + c, acc[r][c], hi[r][c], run[r][c]);
     }
     for (int r = 0; r < R; ++r) {
       for (int c = c0; c < c0 + C; ++c) {

@@ -241,7 +241,7 @@ int64_t run_team(int64_t max_steps, int64_t max_pieces, int64_t stall_us, F&& bo
 struct StackLinear {
   torch::Tensor packed;
   int64_t n;
-  int64_t bits;  // 16: bf16 packed by pack_vnni (linear_vnni); 8 or 4: linear_quant
+  int64_t bits;  // 16: bf16 packed by pack_vnni (linear_vnni); else linear_quant's format code
   c10::optional<torch::Tensor> bias;
   torch::Tensor bias_f;  // float32, padded: what the kernels add
 
@@ -299,9 +299,9 @@ struct StackLinear {
       quantize_blocks(x, KB * 32, KB * 32, KB, a, b, e);
     });
     team.redo_step(units(), grain(M), own, [&](int64_t b, int64_t e, T* dst) {
-      if (bits == 8) quant_units<8>(a, M, W, KB, bp, dst, n, b, e);
-      else if (bits == 5) quant_units<5>(a, M, W, KB, bp, dst, n, b, e);
-      else quant_units<4>(a, M, W, KB, bp, dst, n, b, e);
+      with_quant_format(bits, [&](auto format) {
+        quant_units<decltype(format)::value>(a, M, W, KB, bp, dst, n, b, e);
+      });
     }, publish);
   }
 };

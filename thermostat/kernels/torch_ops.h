@@ -184,8 +184,8 @@ void linear_quant_impl(const torch::Tensor& x, const torch::Tensor& packed, cons
   });
 }
 
-// y [M, N] = x [M, K] W^T (+ bias), W quantized (bits 8 or 4) and packed as in common.h; x in
-// float32, bfloat16 or float16 (y in x's dtype). Any M >= 1, the same bits per row.
+// y [M, N] = x [M, K] W^T (+ bias), W quantized (a format code of common.h's table) and packed as
+// there; x in float32, bfloat16 or float16 (y in x's dtype). Any M >= 1, the same bits per row.
 torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t N, int64_t bits,
                            c10::optional<torch::Tensor> bias) {
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(0) >= 1 && x.stride(1) == 1,
@@ -198,9 +198,9 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, int64_t N, int
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto y = torch::empty({x.size(0), N}, x.options());
   return THERMOSTAT_DISPATCH_FLOAT(x.scalar_type(), "linear_quant", [&] {
-    if (bits == 8) linear_quant_impl<8, scalar_t>(x, packed, bp, y, N);
-    else if (bits == 5) linear_quant_impl<5, scalar_t>(x, packed, bp, y, N);
-    else linear_quant_impl<4, scalar_t>(x, packed, bp, y, N);
+    with_quant_format(bits, [&](auto format) {
+      linear_quant_impl<decltype(format)::value, scalar_t>(x, packed, bp, y, N);
+    });
     return y;
   });
 }

@@ -5,6 +5,15 @@
 | int8   | q in [-128, 127], d float16: w = d q               | 34 / 32 = 1.06 | llama.cpp q8_0 |
 | int4   | q in [0, 15], d float16, z int8: w = d (q - z)     | 19 / 32 = 0.59 | GPTQ / AWQ     |
 |        | ... and m float16: w = d (q - z) + m (`bits` 5)    | 21 / 32 = 0.66 | llama.cpp q4_1 |
+|        | q in [0, 15], d, m float32: w = d q + m (`bits` 6) | 24 / 32 = 0.75 | q4_K           |
+| int8   | q int8, a float32 d per 16 and m float32 per 32:   | 44 / 32 = 1.38 | q5_1, q5_K,    |
+|        | w = d q + m (`bits` 9)                             |                | q6_K           |
+
+`bits` 6 and 9 hold a GGUF K-quant's blocks as the file has them (gguf_blocks.py): a K-quant's
+block scale, its float16 super-block scale times a 6-bit (Q6_K: 8-bit) one, needs more bits than
+float16 has, and float32 holds it exactly, as it does the minimum (dmin times a 6-bit m); Q6_K's
+sub-blocks of 16 take `bits` 9's two scales per block (its m, -0.0, adds nothing: w = d q to the
+bit, sign of zero included). Nothing here quantizes a float weight to them.
 
 int4 takes its minimum form for a weight whose blocks lie on it (`on_minimum_grid`): a block
 of a Q4_1 file (w = d q + m, m no multiple of d) comes back exactly, m its least value and d its
@@ -44,13 +53,17 @@ from thermostat.models.grids import (
 if TYPE_CHECKING:
     from thermostat.kernels import LinearOps
 
-Bits = Literal[8, 4, 5]  # 5: int4 with a float minimum per block
+Bits = Literal[8, 4, 5, 6, 9]  # the table above; the kernels' layout codes (common.h)
 FORMATS: dict[str, Bits] = {"int8": 8, "int4": 4}
+NIBBLES = (4, 5, 6)  # the 4-bit formats (the others' body is int8)
+FLOAT32_SCALES = (6, 9)
 
 
-# bytes of d (64 float16), z (64 int8, 4-bit only) and m (64 float16, bits 5) per record
-HEADER = {8: 128, 4: 192, 5: 320}
-BODY = {8: 2048, 4: 1024, 5: 1024}  # bytes of one K block of 64 outputs' weights
+# bytes of a record's scales: d (64 float16, or float32 for 6 and 9; two per output for 9),
+# z (64 int8: 4 and 5) and m (64 float16: 5; float32: 6 and 9)
+HEADER = {8: 128, 4: 192, 5: 320, 6: 512, 9: 768}
+BODY = {8: 2048, 4: 1024, 5: 1024, 6: 1024, 9: 2048}  # bytes of one K block of 64 outputs' weights
+MINIMUM_AT = {5: 192, 6: 256, 9: 512}  # where m starts in the header
 
 
 @dataclass
@@ -72,17 +85,24 @@ class QuantizedWeight:
         d: torch.Tensor,
         z: torch.Tensor | None = None,
         m: torch.Tensor | None = None,
+        bits: Bits | None = None,
     ) -> QuantizedWeight:
         """q [N, K] (int8 in [-128, 127] with z None; uint8 in [0, 15] with z), d [N, ceil(K /
-        32)] float16, z the same shape int8, m (with z) float16 -> the kernel's layout."""
-        bits: Bits = 8 if z is None else (4 if m is None else 5)
+        32)] float16, z the same shape int8, m (with z) float16 -> the kernel's layout. `bits` 6
+        (q uint8 in [0, 15]) or 9 (q int8, d [N, 2 ceil(K / 32)]: a scale per 16) with d and m
+        float32 and no z."""
+        if bits is None:
+            bits = 8 if z is None else (4 if m is None else 5)
         n, k = q.shape
         kb = (k + BLOCK - 1) // BLOCK
-        if d.shape != (n, kb) or (z is not None and z.shape != (n, kb)):
-            raise ValueError(f"scales must be [{n}, {kb}] for a [{n}, {k}] weight")
+        scales = 2 * kb if bits == 9 else kb
+        if d.shape != (n, scales) or (z is not None and z.shape != (n, kb)):
+            raise ValueError(f"scales must be [{n}, {scales}] for a [{n}, {k}] weight")
+        if bits in FLOAT32_SCALES and (z is not None or m is None or m.shape != (n, kb)):
+            raise ValueError(f"bits {bits} takes float32 d and m [{n}, {kb}], no z")
         groups = (n + 63) // 64
         full = torch.zeros(groups * 64, kb * BLOCK, dtype=torch.uint8)
-        if bits == 8:
+        if bits not in NIBBLES:
             full[:n, :k] = (q.to(torch.int16) + 128).to(torch.uint8)
             full[n:] = 128  # padded rows: q = 0
             full[:, k:] = 128
@@ -93,20 +113,26 @@ class QuantizedWeight:
             nibbles = full.view(groups, 4, 16, kb, 2, 4, 4)  # [g, c, n, kb, half, kq, j]
             joined = nibbles[:, :, :, :, 0] | (nibbles[:, :, :, :, 1] << 4)
             body = joined.permute(0, 3, 4, 1, 2, 5)
-        parts = [_group_major(d, groups).view(torch.uint8)]
+        if bits in FLOAT32_SCALES:
+            halves = [d[:, 0::2], d[:, 1::2]] if bits == 9 else [d]
+            parts = [_group_major(h.float(), groups).view(torch.uint8) for h in halves]
+        else:
+            parts = [_group_major(d, groups).view(torch.uint8)]
         if z is not None:
             parts.append(_group_major(z, groups).view(torch.uint8))
         if m is not None:
-            parts.append(_group_major(m.half(), groups).view(torch.uint8))
+            minimum = m.float() if bits in FLOAT32_SCALES else m.half()
+            parts.append(_group_major(minimum, groups).view(torch.uint8))
         parts.append(body.reshape(groups, kb, -1))
         return cls(bits, n, k, torch.cat(parts, dim=-1).contiguous())
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The inverse of `pack`: (q, d, z) with q [N, K / 32 * 32] (K's padding kept)."""
+        """The inverse of `pack`: (q, d, z) with q [N, K / 32 * 32] (K's padding kept); d [N,
+        K / 32] (bits 9: [N, K / 16], a scale per 16 along K)."""
         groups, kb, _ = self.packed.shape
         n, header = self.out_features, HEADER[self.bits]
         body = self.packed[..., header:]
-        if self.bits == 8:
+        if self.bits not in NIBBLES:
             q = body.reshape(groups, kb, 8, 4, 16, 4).permute(0, 3, 4, 1, 2, 5)
             q = (q.reshape(groups * 64, -1).to(torch.int16) - 128).to(torch.int8)
         else:
@@ -118,57 +144,76 @@ class QuantizedWeight:
         return q[:n], _row_major(scales, n), z
 
     def _header(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(d [G, KB, 64] float16, z [G, KB, 64] int8 or None), outputs in [c][n] order."""
+        """(d [G, KB, 64] (bits 9: [G, 2 KB, 64], K's halves in order), z [G, KB, 64] int8 or
+        None), outputs in [c][n] order."""
+        if self.bits in FLOAT32_SCALES:
+            halves = 2 if self.bits == 9 else 1
+            d = self.packed[..., : 256 * halves].contiguous().view(torch.float32)
+            groups, kb = d.shape[:2]
+            return d.view(groups, kb, halves, 64).reshape(groups, kb * halves, 64), None
         d = self.packed[..., :128].contiguous().view(torch.float16)
         z = None if self.bits == 8 else self.packed[..., 128:192].contiguous().view(torch.int8)
         return d, z
 
     def minimums(self) -> torch.Tensor | None:
-        """m [N, K / 32] float16 of the minimum form (bits 5), else None."""
-        if self.bits != 5:
+        """m [N, K / 32] of the minimum forms (bits 5: float16; 6 and 9: float32), else None."""
+        if self.bits not in MINIMUM_AT:
             return None
-        m = self.packed[..., 192:320].contiguous().view(torch.float16)
+        at = MINIMUM_AT[self.bits]
+        dtype = torch.float32 if self.bits in FLOAT32_SCALES else torch.float16
+        size = 256 if self.bits in FLOAT32_SCALES else 128
+        m = self.packed[..., at : at + size].contiguous().view(dtype)
         return _row_major(m, self.out_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight [N, K] as the kernel's arithmetic sees it."""
+        """The weight [N, K] as the kernel's arithmetic sees it: ((q - z) d) + m in float32, one
+        rounding where there is an m (the K-quants' and Q4_1 / Q5_1's own)."""
         q, d, z = self.unpack()
-        blocks = q.float().view(q.shape[0], -1, BLOCK)
+        blocks = q.float().view(q.shape[0], d.shape[1], -1)  # [N, scales, 32 or 16]
         if z is not None:
             blocks = blocks - z.float()[..., None]
         blocks = blocks * d.float()[..., None]
         m = self.minimums()
         if m is not None:
-            blocks = blocks + m.float()[..., None]
+            per_scale = d.shape[1] // m.shape[1]
+            blocks = blocks + m.float().repeat_interleave(per_scale, dim=1)[..., None]
         return blocks.reshape(q.shape[0], -1)[:, : self.in_features].to(dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` (any shape) of the weight, dequantized: [*ids.shape, K] in `dtype` (an
-        embedding lookup). Gathers only the rows' own bytes: d (and z) and the weights of each
-        of their K blocks."""
+        embedding lookup): fma(q - z, d, m) per weight, as the kernels' quant_rows. Gathers only
+        the rows' own bytes: their scales and the weights of each of their K blocks."""
         groups, kb, record = self.packed.shape
-        header, quads = HEADER[self.bits], 8 if self.bits == 8 else 4
+        header, quads = HEADER[self.bits], 4 if self.bits in NIBBLES else 8
         flat = ids.reshape(-1)
         lane = flat % 64  # the output's place in its group's [c][n] order
         c, n = lane // 16, lane % 16
         # [T, KB]: where each of the rows' records starts
         base = (flat // 64 * kb)[:, None] * record + torch.arange(kb)[None, :] * record
         data = self.packed.view(-1)
-        d_at = (base + 2 * lane[:, None])[..., None] + torch.arange(2)
-        d = data[d_at].view(torch.float16)[..., 0].float()[..., None]  # [T, KB, 1]
+        f32 = self.bits in FLOAT32_SCALES
+        width, scale_dtype = (4, torch.float32) if f32 else (2, torch.float16)
+
+        def scale(at: int) -> torch.Tensor:  # [T, KB, 1] float32: the rows' scale at byte `at`
+            where = (base + at + width * lane[:, None])[..., None] + torch.arange(width)
+            return data[where].view(scale_dtype)[..., 0].float()[..., None]
+
         # the rows' weight bytes of a record: [kq][c][n][4], K = 4 kq + j (int4: + 16, high)
         within = (torch.arange(quads) * 256)[:, None] + torch.arange(4)
         at = base[..., None] + (header + c * 64 + n * 4)[:, None, None] + within.reshape(-1)
         b = data[at]  # [T, KB, 4 quads]
-        if self.bits == 8:
-            w = (b.to(torch.int16) - 128).float() * d
+        if self.bits in NIBBLES:
+            q = torch.cat([b & 15, b >> 4], dim=2).float()
         else:
-            q = torch.cat([b & 15, b >> 4], dim=2)
-            z = data[base + 128 + lane[:, None]].view(torch.int8).float()[..., None]
-            w = (q.float() - z) * d
-            if self.bits == 5:
-                m_at = (base + 192 + 2 * lane[:, None])[..., None] + torch.arange(2)
-                w = w + data[m_at].view(torch.float16)[..., 0].float()[..., None]
+            q = (b.to(torch.int16) - 128).float()
+        if self.bits in (4, 5):
+            q = q - data[base + 128 + lane[:, None]].view(torch.int8).float()[..., None]
+        d = scale(0)
+        if self.bits == 9:  # K 0-15 and 16-31 each with their own d
+            d = torch.cat([d.expand(-1, -1, 16), scale(256).expand(-1, -1, 16)], dim=2)
+        w = q * d
+        if self.bits in MINIMUM_AT:
+            w = w + scale(MINIMUM_AT[self.bits])
         out = w.reshape(len(flat), -1)[:, : self.in_features].to(dtype)
         return out.reshape(*ids.shape, self.in_features)
 
@@ -242,15 +287,18 @@ def reference_linear(
     """The kernel's arithmetic in PyTorch (float32; the kernel's fused multiply-adds round
     differently in the last bits): [M, K] -> [M, N] in x's dtype."""
     q, d, z = weight.unpack()
-    kb = d.shape[1]
+    kb = (q.shape[1] + BLOCK - 1) // BLOCK
+    per = d.shape[1] // kb  # scales per block: 2 for bits 9
     xq, s = quantize_activations(x, kb)
-    wq = q.float().view(q.shape[0], kb, BLOCK)
-    acc = torch.einsum("mbk,nbk->mnb", xq, wq)  # integers below 2^24: exact
+    wq = q.float().view(q.shape[0], kb * per, BLOCK // per)
+    xs = xq.view(x.shape[0], kb * per, BLOCK // per)
+    acc = torch.einsum("mbk,nbk->mnb", xs, wq)  # integers below 2^24: exact
     if z is not None:
         acc = acc - z.float()[None] * xq.sum(dim=-1)[:, None, :]  # still exact integers
-    terms = acc * (d.float()[None] * s[:, None, :])
+    terms = acc * (d.float()[None] * s.repeat_interleave(per, dim=1)[:, None, :])
     m = weight.minimums()
     if m is not None:  # + m s sum(xq) per block
+        terms = terms.view(*terms.shape[:2], kb, per).sum(dim=-1)
         terms = terms + m.float()[None] * (s * xq.sum(dim=-1))[:, None, :]
     y = terms.sum(dim=-1)
     if bias is not None:
