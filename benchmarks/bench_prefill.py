@@ -2,7 +2,7 @@
 time, on the same random weights.
 
     .venv/bin/python benchmarks/bench_prefill.py [--vllm VENV] [--lens 512 2048 8192 32768]
-        [--formats bf16 int8] [--repeats 2] [--concurrent 8] [--concurrent-len 2048]
+        [--formats bf16 int8 bf16+fp8kv] [--repeats 2] [--concurrent 8] [--concurrent-len 2048]
 
 Without --model it writes the SmolLM2-135M shape with random weights (bench_http.py's) with a
 context of the longest length (plus room), as a coding agent's model would have. Each prompt is
@@ -41,11 +41,15 @@ KV_GB = 3  # 32k tokens of the SmolLM2 shape take 0.75 GB of bf16 K/V; room for 
 
 
 def thermostat_command(model: Path, fmt: str, max_len: int) -> list[str]:
+    """`fmt`: the weights' format (bf16, int8, int4), "+fp8kv" after it for an fp8_e4m3 KV
+    cache."""
+    fmt, fp8kv = fmt.removesuffix("+fp8kv"), fmt.endswith("+fp8kv")
     return [
         ".venv/bin/thermostat", "serve", "--model", str(model), "--port", "{PORT}",
         "--served-model-name", "model", "--num-threads", "2", "--no-enable-prefix-caching",
         "--max-model-len", str(max_len), "--kv-cache-memory-gb", str(KV_GB),
         *(["--quantization", fmt] if fmt != "bf16" else []),
+        *(["--kv-cache-dtype", "fp8_e4m3"] if fp8kv else []),
     ]  # fmt: skip
 
 
@@ -91,7 +95,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", type=Path, help="a Hugging Face model directory (default: random)")
     p.add_argument("--lens", type=int, nargs="+", default=[512, 2048, 8192, 32768])
-    p.add_argument("--formats", nargs="+", default=["bf16"], help="Thermostat's: bf16 int8 int4")
+    p.add_argument(
+        "--formats",
+        nargs="+",
+        default=["bf16"],
+        help="Thermostat's: bf16 int8 int4, each with +fp8kv for an fp8 KV cache",
+    )
     p.add_argument("--vllm", type=Path, help="vLLM's CPU build's venv (benchmarks/setup_vllm.sh)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--concurrent", type=int, default=8, help="prompts at once (0: none)")

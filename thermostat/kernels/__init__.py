@@ -26,8 +26,9 @@ that make the choice; forward code calls the function chosen:
 | write_kv               | kv_cache.PagedKVCache.__init__ | key/value stored in the compute dtype  |
 | decode_attention       | kv_cache.PagedKVCache.__init__ | key/value in fp8 or the compute dtype, |
 |                        |                                | head_dim % 16 == 0 and <= 256          |
-| prefill_attention      | kv_cache.PagedKVCache.__init__ | AVX-512 build, key/value and compute in|
-|                        |                                | bf16, head_dim % 32 == 0 and <= 256    |
+| prefill_attention      | kv_cache.PagedKVCache.__init__ | AVX-512 build, compute in bf16,        |
+|                        |                                | key/value in bf16 or fp8, head_dim % 32|
+|                        |                                | == 0 and <= 256                        |
 | DecodeStack            | compiled_decode.compiled_decode| every op of a dense layer compiled     |
 """
 
@@ -190,6 +191,8 @@ class CpuOps(LinearOps):
         q: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
+        key_scale: torch.Tensor,
+        value_scale: torch.Tensor,
         table: torch.Tensor,
         start: int,
         scale: float,
@@ -197,10 +200,12 @@ class CpuOps(LinearOps):
         """Causal attention of a chunk of one sequence's new tokens, the rows at positions
         start .. start + T - 1, over its context read in place: q [T, Hq, D] bfloat16 (D
         contiguous, D % 32 == 0, Hq / Hkv <= 48), caches [num_blocks, block_size, Hkv, D]
-        bfloat16 holding positions 0 .. start + T - 1, table [nb] int64 (contiguous). Returns
-        [T, Hq, D]; a row's bits do not depend on the chunk it arrives in."""
-        y: torch.Tensor = self.module.prefill_attention(q, key_cache, value_cache, table, start,
-                                                        scale)  # fmt: skip
+        holding positions 0 .. start + T - 1, bfloat16 (scales empty) or fp8_e4m3 bytes with
+        float32 scales [num_blocks, block_size, Hkv, 1], table [nb] int64 (contiguous). Returns
+        [T, Hq, D]; a row's bits do not depend on the chunk it arrives in, and an fp8 cache gives
+        the bits of a bf16 cache holding its rows dequantized as the SDPA path does."""
+        caches = (key_cache, value_cache, key_scale, value_scale)
+        y: torch.Tensor = self.module.prefill_attention(q, *caches, table, start, scale)
         return y
 
 

@@ -14,6 +14,10 @@
 // in, each query lane's arithmetic is its own, and a tile wholly past a row's position leaves the
 // row's state exactly as it was (max unchanged, correction exp(0) = 1, weights exp(-inf) = 0).
 // So a prompt's rows come out the same prefilled whole, in chunks, or after a prefix-cache hit.
+//
+// An fp8_e4m3 cache (bytes, a float scale per token and head) is read the same way: each tile's
+// rows are turned into bf16 as the SDPA path's gather turns them, (fp8 -> float) x scale rounded
+// to nearest even, so the result is the bf16 kernel's on those dequantized rows, bit for bit.
 
 #pragma once
 
@@ -23,10 +27,12 @@ constexpr int64_t kQueryLanes = kQueryVecs * kLanes;  // 48 queries
 constexpr int64_t kKeyStep = 8;                        // keys per Q K^T register tile
 constexpr int64_t kValueStep = 8;                      // value pairs per P V register tile
 
+template <typename C>  // the cache's element: c10::BFloat16, or uint8_t for fp8_e4m3 bytes
 struct PrefillArgs {
   const c10::BFloat16* q;
   int64_t q_row, q_head;  // q's strides
-  const c10::BFloat16 *keys, *values;
+  const C *keys, *values;
+  const float *key_scales, *value_scales;  // fp8's per token and head, else null
   const int64_t* table;
   int64_t T, start, Hq, Hkv, D, block_size;
   float scale;
@@ -38,6 +44,7 @@ struct PrefillScratch {
   std::vector<__m512> o;             // [D][kQueryVecs], dims in the paired order (paired_dim)
   std::vector<uint32_t> vpairs;      // [kKeyTile / 2][D]: keys (2j, 2j + 1)'s values, paired
   std::vector<float> rows;           // [D][kQueryLanes]: the output before it is scattered
+  std::vector<c10::BFloat16> kstage, vstage;  // [kKeyTile][D]: an fp8 tile's rows in bf16
   __m512 s[kKeyTile][kQueryVecs];    // scores, then weights
   __m512i p[kKeyTile / 2][kQueryVecs];  // weights of keys (2j, 2j + 1), bf16 pairs
 };
@@ -56,13 +63,31 @@ inline __m512bh bf16_pairs(__m512 even, __m512 odd) {  // lane m: (even[m], odd[
   return (__m512bh)_mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
 }
 
+// The bf16 row of cache row `at` (token slot x Hkv + head): in place, or an fp8 row turned into
+// bf16 in `stage` as (fp8 -> float) x its scale, rounded to nearest even (store16).
+inline const c10::BFloat16* bf16_row(const c10::BFloat16* cache, const float*, int64_t at,
+                                     int64_t D, c10::BFloat16*) {
+  return cache + at * D;
+}
+inline const c10::BFloat16* bf16_row(const uint8_t* cache, const float* scales, int64_t at,
+                                     int64_t D, c10::BFloat16* stage) {
+  const __m512 scale = _mm512_set1_ps(scales[at]);
+  for (int64_t c = 0; c < D; c += kLanes) {
+    store16(stage + c, _mm512_mul_ps(load16(cache + at * D + c), scale));
+  }
+  return stage;
+}
+
 // Item (KV head h, rows [r0, r0 + rows)).
-inline void prefill_item(const PrefillArgs& a, int64_t h, int64_t r0, int64_t rows,
-                         PrefillScratch& s, const c10::BFloat16* zeros) {
+template <typename C>
+void prefill_item(const PrefillArgs<C>& a, int64_t h, int64_t r0, int64_t rows,
+                  PrefillScratch& s, const c10::BFloat16* zeros) {
   const int64_t group = a.Hq / a.Hkv, D = a.D, pairs = D / 2, bs = a.block_size;
   s.qpairs.assign(pairs * kQueryLanes, 0);
   s.o.assign(D * kQueryVecs, _mm512_setzero_ps());
   s.vpairs.resize(kKeyTile / 2 * D);
+  s.kstage.resize(kKeyTile * D);
+  s.vstage.resize(kKeyTile * D);
   alignas(64) int32_t pos[kQueryLanes];
   for (int64_t m = 0; m < kQueryLanes; ++m) {
     const int64_t r = m / group, g = m % group;
@@ -86,8 +111,8 @@ inline void prefill_item(const PrefillArgs& a, int64_t h, int64_t r0, int64_t ro
     for (int64_t j = 0; j < kKeyTile; ++j) {  // keys past `last` are masked for every row
       const int64_t t = t0 + j;
       const int64_t at = t <= last ? (a.table[t / bs] * bs + t % bs) * a.Hkv + h : -1;
-      krow[j] = at < 0 ? zeros : a.keys + at * D;
-      vrow[j] = at < 0 ? zeros : a.values + at * D;
+      krow[j] = at < 0 ? zeros : bf16_row(a.keys, a.key_scales, at, D, s.kstage.data() + j * D);
+      vrow[j] = at < 0 ? zeros : bf16_row(a.values, a.value_scales, at, D, s.vstage.data() + j * D);
     }
     // scores s[j][v] = scale q . k_j, -inf past the lane's position
     for (int64_t j0 = 0; j0 < kKeyTile; j0 += kKeyStep) {
@@ -178,17 +203,18 @@ inline void prefill_item(const PrefillArgs& a, int64_t h, int64_t r0, int64_t ro
 
 // q [T, Hq, D] bf16 (D contiguous; rows and heads may be strided), the rows at positions
 // start .. start + T - 1 of a sequence whose blocks are `table` [nb] int64 in caches
-// [num_blocks, block_size, Hkv, D] bf16 (the chunk's own K/V already written). Returns
-// [T, Hq, D]: row t attends to positions 0 .. start + t.
+// [num_blocks, block_size, Hkv, D], bf16 or fp8_e4m3 bytes with float scales [num_blocks,
+// block_size, Hkv, 1] (empty for bf16), the chunk's own K/V already written. Returns [T, Hq, D]:
+// row t attends to positions 0 .. start + t.
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor key_cache,
-                                torch::Tensor value_cache, torch::Tensor table, int64_t start,
+                                torch::Tensor value_cache, torch::Tensor key_scale,
+                                torch::Tensor value_scale, torch::Tensor table, int64_t start,
                                 double scale) {
   TORCH_CHECK_VALUE(q.dim() == 3 && q.stride(2) == 1 && q.scalar_type() == at::kBFloat16 &&
                         q.size(0) >= 1,
                     "prefill_attention: q must be [T, Hq, D] bfloat16 with D contiguous");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
-  auto none = torch::empty({0}, q.options().dtype(at::kFloat));
-  check_caches(key_cache, value_cache, none, none, Hq, D, at::kBFloat16);
+  check_caches(key_cache, value_cache, key_scale, value_scale, Hq, D, at::kBFloat16);
   const int64_t Hkv = key_cache.size(2), bs = key_cache.size(1);
   TORCH_CHECK_VALUE(D % 32 == 0 && Hq / Hkv <= kQueryLanes,
                     "prefill_attention: head_dim must be a multiple of 32, the group at most 48");
@@ -202,20 +228,29 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor key_cache,
                       "prefill_attention: block id out of range");
   }
   auto out = torch::empty({T, Hq, D}, q.options());
-  const PrefillArgs args{q.data_ptr<c10::BFloat16>(), q.stride(0), q.stride(1),
-                         key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>(),
-                         tp, T, start, Hq, Hkv, D, bs, static_cast<float>(scale),
-                         out.data_ptr<c10::BFloat16>()};
   const int64_t rows = std::max<int64_t>(1, kQueryLanes / (Hq / Hkv));
   const int64_t tiles = (T + rows - 1) / rows;
   const std::vector<c10::BFloat16> zeros(D, c10::BFloat16(0.0f));
-  // the last rows attend to the most keys: handed out first, so the threads end together
-  parallel_pieces(Hkv * tiles, 4, [&](int64_t b, int64_t e) {
-    PrefillScratch scratch;
-    for (int64_t i = b; i < e; ++i) {
-      const int64_t tile = tiles - 1 - i / Hkv, r0 = tile * rows;
-      prefill_item(args, i % Hkv, r0, std::min(rows, T - r0), scratch, zeros.data());
-    }
-  });
+  auto run = [&](auto element) {
+    using C = decltype(element);
+    const bool fp8 = std::is_same_v<C, uint8_t>;
+    const PrefillArgs<C> args{q.data_ptr<c10::BFloat16>(), q.stride(0), q.stride(1),
+                              reinterpret_cast<const C*>(key_cache.data_ptr()),
+                              reinterpret_cast<const C*>(value_cache.data_ptr()),
+                              fp8 ? key_scale.data_ptr<float>() : nullptr,
+                              fp8 ? value_scale.data_ptr<float>() : nullptr,
+                              tp, T, start, Hq, Hkv, D, bs, static_cast<float>(scale),
+                              out.data_ptr<c10::BFloat16>()};
+    // the last rows attend to the most keys: handed out first, so the threads end together
+    parallel_pieces(Hkv * tiles, 4, [&](int64_t b, int64_t e) {
+      PrefillScratch scratch;
+      for (int64_t i = b; i < e; ++i) {
+        const int64_t tile = tiles - 1 - i / Hkv, r0 = tile * rows;
+        prefill_item(args, i % Hkv, r0, std::min(rows, T - r0), scratch, zeros.data());
+      }
+    });
+  };
+  if (key_cache.scalar_type() == at::kByte) run(uint8_t{});
+  else run(c10::BFloat16{});
   return out;
 }

@@ -93,7 +93,8 @@ class PagedKVCache:
         self._prefills_in_place = (
             self.ops is not None
             and self.ops.has_prefill_attention
-            and spec.dtype == compute_dtype == torch.bfloat16  # (so not fp8)
+            and compute_dtype == torch.bfloat16
+            and (spec.dtype == compute_dtype or spec.quantized)  # bf16 or fp8 blocks
             and head_dim % 32 == 0
             and head_dim <= 256
         )
@@ -118,7 +119,7 @@ class PagedKVCache:
 
     def attends_prefills(self, q_heads: int) -> bool:
         """Whether `prefill_attention` runs here for a layer of `q_heads` query heads: the
-        compiled kernel reads bf16 blocks in place (else prefill chunks go to SDPA)."""
+        compiled kernel reads bf16 or fp8 blocks in place (else prefill chunks go to SDPA)."""
         kv_heads = self.spec.components[0].per_token_shape[-2]
         return self._prefills_in_place and q_heads <= PREFILL_GROUP_MAX * kv_heads
 
@@ -131,8 +132,7 @@ class PagedKVCache:
         assert self.ops is not None  # attends_prefills holds only with ops
         return self.ops.prefill_attention(
             q,
-            self.store["key"][layer],
-            self.store["value"][layer],
+            *self.layer_storage(layer),
             segment.block_table[0],
             segment.ctx_len - segment.q_len,
             scale,
