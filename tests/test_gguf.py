@@ -25,7 +25,9 @@ from thermostat.api.defaults import DefaultsReport
 from thermostat.cli import main
 from thermostat.engine.loader import load_model, model_config_dict, resolve_model_path
 from thermostat.models import gguf_reading
+from thermostat.models.gguf_blocks import BlockGrid
 from thermostat.models.gguf_checkpoint import GGUFCheckpoint
+from thermostat.models.quant import reference_linear
 from thermostat.random_model import write_model
 from thermostat.sampling import Policy
 
@@ -389,36 +391,59 @@ def test_qwen3_moe_experts_stacked_in_the_file(tmp_path):
         assert torch.equal(got, want)
 
 
-def k_quant_blocks(rows: int, cols: int, qtype: Q, seed: int) -> np.ndarray:
-    """Random blocks of a k-quant (gguf can dequantize them, not quantize), their float16 super
-    scales set small: Q4_K (d, dmin first), Q6_K (d last)."""
+SCALE_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(rows: int, cols: int, qtype: Q, seed: int, scale: float = 2e-5) -> np.ndarray:
+    """Valid random blocks of `qtype` (gguf can dequantize K-quants, not quantize to them): random
+    integers and 6-bit scales, finite float16 d / dmin / m of about `scale` (Q6_K's d a tenth of
+    it: its 8-bit sub-block scales)."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
-    raw = np.random.default_rng(seed).integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    scales = np.array([0.002, 0.001] if qtype == Q.Q4_K else [0.0005], dtype=np.float16)
-    at = 0 if qtype == Q.Q4_K else size - 2
-    raw[:, :, at : at + 2 * len(scales)] = scales.view(np.uint8)
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scale = scale / 10 if qtype == Q.Q6_K else scale
+    for at in SCALE_FIELDS.get(qtype.name, (0,)):
+        d = rng.uniform(-scale, scale, (rows, cols // block)).astype(np.float16)
+        raw[:, :, at : at + 2] = d.view(np.uint8).reshape(rows, -1, 2)
     return raw.reshape(rows, -1)
 
 
-def test_q4_k_m_file_is_served_in_int8(tmp_path):
-    """A Q4_K_M file (Q4_K, with Q6_K for the down projections and embeddings) is served in
-    int8, not int4: a Q4_K block's minimum is no multiple of its step, so int4's grid would move
-    its weights by up to half a 4-bit step; int8 moves them by at most half an 8-bit one.
-    `--quantization int4` still gives int4, each block's 16 levels back within a step."""
-    src = write_model(tmp_path / "float", hidden_size=256, intermediate_size=256)
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+def test_blocks_are_packed_to_exactly_the_files_weights(qtype):
+    """Each served type's blocks, packed for the kernels, dequantize to gguf's own dequantization
+    bit for bit (float32, the sign of zero included), read as embedding rows the same; the
+    kernel's product is its reference's, batch invariant."""
+    raw = random_blocks(70, 512, qtype, seed=qtype.value, scale=0.01)
+    want = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+    weight = BlockGrid.read(raw, qtype.name).packed()
+    assert torch.equal(weight.dequantize().view(torch.int32), want.view(torch.int32))
+    ids = torch.tensor([0, 69, 33, 64])
+    assert torch.equal(weight.rows(ids, torch.float32), want[ids])
+    ops = kernels.ops()
+    assert torch.equal(ops.quant_rows(weight, ids, torch.float32), want[ids])
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(1))
+    got = ops.linear_quant(x, weight, None)
+    torch.testing.assert_close(got, reference_linear(x, weight), atol=1e-4, rtol=1e-5)
+    for rows in (1, 2, 3, 5, 17):
+        assert torch.equal(ops.linear_quant(x[:rows], weight, None), got[:rows]), rows
+
+
+def write_k_quant_gguf(src: Path, path: Path, qtype_of, file_type: int) -> dict[str, torch.Tensor]:
+    """`src`'s shapes (a Llama of width 256) as a GGUF of random valid blocks, each matrix's type
+    `qtype_of(hf name)`; returns the file's weights dequantized by gguf, under Hugging Face names
+    (q and k rows as stored: the model reads them permuted, as the reference does)."""
     config = json.loads((src / "config.json").read_text())
-    path = tmp_path / "tiny-q4_k_m.gguf"
     writer = gguf.GGUFWriter(path, "llama")
     for key, value in (
-        ("block_count", 2),
+        ("block_count", config["num_hidden_layers"]),
         ("context_length", 512),
-        ("embedding_length", 256),
-        ("feed_forward_length", 256),
-        ("head_count", 4),
-        ("head_count_kv", 2),
+        ("embedding_length", config["hidden_size"]),
+        ("feed_forward_length", config["intermediate_size"]),
+        ("head_count", config["num_attention_heads"]),
+        ("head_count_kv", config["num_key_value_heads"]),
         ("layer_norm_rms_eps", 1e-6),
-        ("rope_dimension_count", 64),
-        ("file_type", 15),  # MOSTLY_Q4_K_M
+        ("rope_dimension_count", config["hidden_size"] // config["num_attention_heads"]),
+        ("file_type", file_type),
     ):
         getattr(writer, f"add_{key}")(value)
     add_tokenizer(writer, src, config["vocab_size"])
@@ -426,26 +451,91 @@ def test_q4_k_m_file_is_served_in_int8(tmp_path):
     for i, (name, tensor) in enumerate(load_file(src / "model.safetensors").items()):
         if tensor.dim() == 1:
             writer.add_tensor(gguf_name(name), tensor.numpy())
+            files[name] = tensor.float()
             continue
-        qtype = Q.Q6_K if "down" in name or "embed" in name else Q.Q4_K
-        blocks = k_quant_blocks(*tensor.shape, qtype, seed=i)
+        qtype = qtype_of(name)
+        blocks = random_blocks(*tensor.shape, qtype, seed=i)
         writer.add_tensor(gguf_name(name), blocks, raw_dtype=qtype)
-        files[name] = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
+        w = gguf.quants.dequantize(blocks, qtype)
+        heads = {"q_proj": 4, "k_proj": 2}.get(name.split(".")[-2])
+        if heads:  # as transformers reads the file: llama.cpp's q / k permutation undone
+            w = w[np.argsort(llama_cpp_permute(np.arange(w.shape[0]), heads))]
+        files[name] = torch.from_numpy(np.ascontiguousarray(w))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    want = files["model.layers.0.self_attn.o_proj.weight"].view(256, -1, 32)
-    rounding = want.abs().amax(-1, keepdim=True) / 1024  # float16 scales (a constant block)
+    return files
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """A float Llama of width 256 (K-quants' super-blocks: 256 along K)."""
+    root = tmp_path_factory.mktemp("wide")
+    return write_model(root / "float", hidden_size=256, intermediate_size=256)
+
+
+@pytest.mark.parametrize(
+    "qtype,file_type,named,body",
+    [(Q.Q4_K, 15, "Q4_K_M", "int4"), (Q.Q5_K, 17, "Q5_K_M", "int8"), (Q.Q6_K, 18, "Q6_K", "int8")],
+)
+def test_k_quant_files_are_served_as_stored(wide, tmp_path, qtype, file_type, named, body):
+    """A Q4_K / Q5_K / Q6_K file's weights are served as its blocks say (every linear layer and
+    the embeddings dequantize to the file's values exactly), and the logits are transformers'
+    on those values, within int8 activations' rounding (the Q8_0 test's bound)."""
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    files = write_k_quant_gguf(wide, path, lambda _: qtype, file_type)
     loaded = load_model(path, dtype="float32")
-    assert (loaded.weight_format, loaded.weight_source) == ("int8", "gguf Q4_K_M")
-    got = loaded.model.layers[0].self_attn.o_proj.weight.dequantize().view_as(want)
-    half_step = want.abs().amax(-1, keepdim=True) / 254  # int8: d = max|w| / 127
-    assert ((got - want).abs() <= half_step * 1.01 + rounding).all()
+    assert (loaded.weight_format, loaded.weight_source) == (body, f"gguf {named}")
+    for layer, block in enumerate(loaded.model.layers):
+        prefix = f"model.layers.{layer}"
+        qkv = torch.cat([files[f"{prefix}.self_attn.{p}_proj.weight"] for p in "qkv"])
+        assert torch.equal(block.self_attn.qkv_proj.weight.dequantize(), qkv)
+        gate_up = torch.cat([files[f"{prefix}.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+        assert torch.equal(block.mlp.gate_up_proj.weight.dequantize(), gate_up)
+        down = files[f"{prefix}.mlp.down_proj.weight"]
+        assert torch.equal(block.mlp.down_proj.weight.dequantize(), down)
+    embed = files["model.embed_tokens.weight"]
+    assert torch.equal(loaded.model.embed_tokens.weight.dequantize(), embed)
+    del loaded
+    hf = hf_model(write_reference(wide, tmp_path / "ref", files))
+    llm = LLM(str(path), dtype="float32", **SMALL)
+    prompts = [p for p in PROMPTS if len(p) > 1]
+    for prompt, got in zip(prompts, prompt_logprobs(llm, prompts, 320), strict=True):
+        with torch.no_grad():
+            expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], dim=-1)[:-1]
+        kl = (expected.exp() * (expected - got)).sum(-1)
+        assert kl.max() < 0.01, kl
+
+
+def test_q4_k_m_file_is_served_as_stored(wide, tmp_path):
+    """A Q4_K_M file (Q4_K, with Q6_K for v, the down projections and the embeddings): a fused
+    projection holding both types takes the format that holds both (`bits` 9), the Q4_K-only
+    ones 4-bit records (`bits` 6), every value the file's; it serves. `--quantization int4`
+    still requantizes, each block's 16 levels back within a step."""
+
+    def qtype_of(name: str) -> Q:
+        return Q.Q6_K if any(p in name for p in ("v_proj", "down", "embed")) else Q.Q4_K
+
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    files = write_k_quant_gguf(wide, path, qtype_of, 15)
+    loaded = load_model(path, dtype="float32")
+    assert (loaded.weight_format, loaded.weight_source) == ("int4", "gguf Q4_K_M")
+    block = loaded.model.layers[0]
+    assert (block.self_attn.qkv_proj.weight.bits, block.self_attn.o_proj.weight.bits) == (9, 6)
+    qkv = torch.cat([files[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(block.self_attn.qkv_proj.weight.dequantize(), qkv)
+    want = files["model.layers.0.self_attn.o_proj.weight"]
+    assert torch.equal(block.self_attn.o_proj.weight.dequantize(), want)
+    llm = LLM(str(path), **SMALL)
+    out = llm.generate(["It was the best of"], SamplingParams(temperature=0, max_tokens=6))[0]
+    assert len(out.token_ids) == 6
     loaded = load_model(path, dtype="float32", quantization="int4")
     assert loaded.weight_format == "int4"
-    got = loaded.model.layers[0].self_attn.o_proj.weight.dequantize().view_as(want)
+    got = loaded.model.layers[0].self_attn.o_proj.weight.dequantize().view(256, -1, 32)
+    want = want.view(256, -1, 32)
     step = (want.amax(-1, keepdim=True) - want.amin(-1, keepdim=True)) / 15
+    rounding = want.abs().amax(-1, keepdim=True) / 1024  # float16 scales
     assert ((got - want).abs() <= step * 1.01 + rounding).all()
 
 
@@ -464,6 +554,13 @@ def test_files_that_cannot_be_served_are_refused_before_serve_listens(q8_0, tmp_
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    q2_k = tmp_path / "q2_k.gguf"
+    writer = gguf.GGUFWriter(q2_k, "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 84), dtype=np.uint8), raw_dtype=Q.Q2_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     gpt2 = tmp_path / "gpt2.gguf"
     write_gguf(src, gpt2, Q.Q8_0, arch="gpt2")
     unreadable = "not a readable GGUF file, truncated or not GGUF"
@@ -471,6 +568,7 @@ def test_files_that_cannot_be_served_are_refused_before_serve_listens(q8_0, tmp_
         (cut_in_tensors, f"{unreadable} ({len(data) // 2} bytes"),
         (cut_in_header, f"{unreadable} (2000 bytes"),
         (odd_type, "holds tensors of GGML type I32, which Thermostat does not serve"),
+        (q2_k, "holds tensors of GGML type Q2_K, which Thermostat does not serve"),
         (gpt2, "architectures=['GPT2LMHeadModel'] is not supported; Thermostat serves"),
     ):
         assert main(["serve", "--model", str(file), "--port", "0"]) == 2

@@ -289,8 +289,8 @@ def test_linears_are_quantized_as_their_weights_arrive(tmp_path, monkeypatch):
             read.append(name)
             yield name, tensor
 
-    def recorded(self, module_path: str) -> bool:
-        replaced = call(self, module_path)
+    def recorded(self, module_path: str, sources) -> bool:
+        replaced = call(self, module_path, sources)
         if replaced:
             quantized_at[module_path] = len(read)
         return replaced

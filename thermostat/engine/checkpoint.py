@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from thermostat.models.gguf_blocks import BlockGrid
 from thermostat.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
 from thermostat.models.quantized_checkpoints import WeightReader, weight_reader
 
@@ -44,6 +45,10 @@ class Checkpoint(Protocol):
         """What the checkpoint holds: 'safetensors bfloat16', 'gptq 4-bit g128', 'gguf Q8_0'."""
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def grid(self, name: str) -> BlockGrid | None:
+        """The blocks tensor `name` (yielded by `tensors`) is stored in, where the kernels run
+        them as stored (a GGUF file's); else None (its values are quantized at load)."""
 
     def tokenizer(self) -> PreTrainedTokenizerBase: ...
 
@@ -93,6 +98,9 @@ class HFCheckpoint:
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         stored = iter_tensors(weight_files(self.directory))
         return stored if self.reader is None else self.reader.read(stored)
+
+    def grid(self, name: str) -> BlockGrid | None:
+        return None
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
         path = self.directory

@@ -39,6 +39,7 @@ from thermostat.models.gguf_checkpoint import is_gguf
 from thermostat.models.registry import ArchFacts, CausalLM, model_class
 from thermostat.models.weight_format import (
     LinearsAsLoaded,
+    StoredWeights,
     check_quantization,
     hold_float32,
     quantize_model,
@@ -228,7 +229,10 @@ def load_model(
         net = model_cls(arch, config, torch_dtype, max_positions=limit, ops=ops)
     if fmt is not None and checkpoint.serve_as is not None:
         hold_float32(cast(nn.Module, net))  # the checkpoint's grid, exactly, until quantized
-    stream = LinearsAsLoaded(cast(nn.Module, net), fmt, ops) if fmt and ops else None
+    # the weights a checkpoint stores as the kernels run them (a GGUF file's blocks) served as
+    # stored, unless a format was asked for
+    stored = StoredWeights(checkpoint.grid) if quantization is None else None
+    stream = LinearsAsLoaded(cast(nn.Module, net), fmt, ops, stored) if fmt and ops else None
     try:
         net.load_weights(trimmed(checkpoint.tensors()), stream)
     except ValueError as exc:
@@ -236,7 +240,7 @@ def load_model(
     if fmt is not None:
         try:
             with progress_note(f"quantizing the weights to {fmt}"):
-                quantize_model(cast(nn.Module, net), fmt, ops, torch_dtype)
+                quantize_model(cast(nn.Module, net), fmt, ops, torch_dtype, stored)
                 release_freed_memory()
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from exc

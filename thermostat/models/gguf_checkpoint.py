@@ -33,7 +33,6 @@ int8 moves them by at most half an 8-bit step (1/254 of a block's largest weight
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -43,11 +42,11 @@ from typing import Any
 import numpy as np
 import torch
 from gguf import (
-    GGML_QUANT_SIZES,
     MODEL_ARCH_NAMES,
     GGMLQuantizationType,
     GGUFReader,
     LlamaFileType,
+    ReaderTensor,
     get_tensor_name_map,
 )
 from gguf.quants import dequantize
@@ -59,28 +58,20 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from thermostat.models.gguf_blocks import EXACT_TYPES, BlockGrid
 from thermostat.models.gguf_reading import cached_config, cached_tokenizer, read_header
 
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
-# the GGML types whose weights lie on int4's grid: w = d (q - z), or its minimum form d q + m
-INT4_EXACT = ("Q4_0", "Q4_1")
+# the GGML types served with a 4-bit body (the others with an int8 one: gguf_blocks' table)
+INT4_BODY = ("Q4_0", "Q4_1", "Q4_K")
 EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)_exps\.weight")
 NORMS_PLUS_ONE = ("gemma2", "gemma3")  # files whose norm weights hold 1 + w (transformers': w)
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's llama3 rope: a divisor per frequency
 
 
-@functools.cache
 def served_types() -> tuple[str, ...]:
-    """The GGML types whose blocks gguf's `dequantize` reads (one zero block of each tried)."""
-    served = []
-    for qtype in GGMLQuantizationType:
-        _, size = GGML_QUANT_SIZES.get(qtype, (0, 0))
-        try:
-            dequantize(np.zeros((1, size), dtype=np.uint8), qtype)
-        except (NotImplementedError, ValueError, TypeError):
-            continue
-        served.append(qtype.name)
-    return tuple(served)
+    """The GGML types served as the file stores them: the float ones and gguf_blocks' table."""
+    return (*FLOAT_TYPES, *EXACT_TYPES)
 
 
 def dequantized(data: np.ndarray, qtype: GGMLQuantizationType, rows: int = 4096) -> np.ndarray:
@@ -121,6 +112,9 @@ class GGUFCheckpoint:
     main_type: str  # the GGML type holding most weights: Q8_0, Q4_K, BF16, ...
     file_type: str  # general.file_type's name (Q4_K_M), else main_type
     metadata: dict[str, Any] = field(default_factory=dict)
+    # Hugging Face name -> (its quantized tensor, heads whose q / k rows are unpermuted), as
+    # `tensors` has yielded them: what `grid` reads
+    stored: dict[str, tuple[ReaderTensor, int | None]] = field(default_factory=dict)
 
     @classmethod
     def open(cls, path: Path) -> GGUFCheckpoint:
@@ -159,11 +153,22 @@ class GGUFCheckpoint:
 
     @property
     def serve_as(self) -> str | None:
-        """int8 | int4 | None (the dtype), by the file's main type: int4 only for the type whose
-        grid is int4's (Q4_0), the docstring's (1) for the others."""
+        """int8 | int4 | None (the dtype), by the body its main type is served with (the
+        docstring's table); each quantized tensor is served as stored (`grid`) whatever it is."""
         if self.main_type in FLOAT_TYPES:
             return None
-        return "int4" if self.main_type in INT4_EXACT else "int8"
+        return "int4" if self.main_type in INT4_BODY else "int8"
+
+    def grid(self, name: str) -> BlockGrid | None:
+        """The blocks of the quantized tensor `tensors` yielded as `name` (a Hugging Face name),
+        its rows in the model's order; None for a float tensor or an expert of a stacked one."""
+        if name not in self.stored:
+            return None
+        tensor, heads = self.stored[name]
+        grid = BlockGrid.read(tensor.data, tensor.tensor_type.name)
+        if heads is None:
+            return grid
+        return grid.rows(unpermute_rows(torch.arange(len(grid.q)), heads))
 
     @property
     def source(self) -> str:
@@ -203,8 +208,11 @@ class GGUFCheckpoint:
             if tensor.name not in names:
                 raise ValueError(f"{self.path}: tensor {tensor.name} has no place in the model")
             kind = tensor.name.split(".")[-2] if tensor.name.startswith("blk.") else ""
-            if self.architecture == "llama" and kind in heads:
-                values = unpermute_rows(values, heads[kind])
+            permuted = heads[kind] if self.architecture == "llama" and kind in heads else None
+            if permuted is not None:
+                values = unpermute_rows(values, permuted)
+            if tensor.tensor_type.name in EXACT_TYPES:
+                self.stored[names[tensor.name]] = (tensor, permuted)
             if self.architecture in NORMS_PLUS_ONE and tensor.name.endswith("norm.weight"):
                 values = values - 1.0  # llama.cpp's converter stored Gemma's norms as 1 + w
             yield names[tensor.name], values

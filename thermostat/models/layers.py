@@ -19,7 +19,7 @@ from thermostat.models.attention import AttentionMetadata
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.linear import PackedEmbedding, PackedLinear, pack_linears
 from thermostat.models.rope import RotaryEmbedding
-from thermostat.models.weights import Index, ParameterFiller, empty_parameters
+from thermostat.models.weights import Index, ParameterFiller, Sources, empty_parameters
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -172,7 +172,8 @@ class StackArch:
 
 
 A = TypeVar("A", bound=StackArch)
-Filled = Callable[[str], bool]  # a loaded module's path -> whether it was replaced
+# a loaded module's path and its parameters' checkpoint tensors -> whether it was replaced
+Filled = Callable[[str, Sources], bool]
 LayerInputs = tuple[torch.Tensor, torch.Tensor, AttentionMetadata]  # cos, sin, meta
 
 
@@ -271,8 +272,9 @@ class DecoderStack(nn.Module, Generic[A]):
         """Hugging Face names (a `model.` prefix dropped, rotary tables and a tied LM head's copy
         skipped) into the parameters `_target` names, then `_finish_loading` and the linears
         packed. Raises ValueError naming any missing, unexpected or misshapen parameter.
-        `filled(path)` is called with each module whose parameters are all loaded, as soon as
-        they are; it returns whether it replaced the module (which this then lets go of)."""
+        `filled(path, sources)` is called with each module whose parameters are all loaded, as
+        soon as they are, and where its checkpoint tensors went; it returns whether it replaced
+        the module (which this then lets go of)."""
         filler = ParameterFiller(self)
         for hf_name, tensor in tensors:
             name = hf_name.removeprefix("model.")
@@ -281,7 +283,8 @@ class DecoderStack(nn.Module, Generic[A]):
             param, index = self._target(name)
             filler.copy(param, tensor, index, hf_name)
             owner = param.rpartition(".")[0]
-            if filled is not None and filler.owner_complete(owner) and filled(owner):
+            complete = filled is not None and filler.owner_complete(owner)
+            if complete and filled is not None and filled(owner, filler.sources_of(owner)):
                 filler.release(owner)
         filler.check_complete()
         self._finish_loading()

@@ -9,7 +9,7 @@ layers choosing their ops as thermostat.kernels lists), plus one line per archit
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -21,6 +21,7 @@ from thermostat.models.deepseek_v4 import DeepseekV4Model
 from thermostat.models.gemma3 import Gemma3Model
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import KVCacheSpec
+from thermostat.models.layers import Filled
 from thermostat.models.llama import LlamaFamilyModel
 
 if TYPE_CHECKING:
@@ -90,11 +91,11 @@ class CausalLM(Protocol):
     def load_weights(
         self,
         tensors: Iterable[tuple[str, torch.Tensor]],
-        filled: Callable[[str], bool] | None = None,
+        filled: Filled | None = None,
     ) -> None:
         """Hugging Face parameter names and tensors; ValueError naming a missing, unexpected or
-        misshapen parameter. `filled(path)`: called with each module loaded whole, as soon as
-        it is (True: it replaced the module)."""
+        misshapen parameter. `filled(path, sources)`: called with each module loaded whole, as
+        soon as it is, with where its checkpoint tensors went (True: it replaced the module)."""
         ...
 
     def __call__(

@@ -22,10 +22,13 @@ so the float32 copies are never all held at once; `quantize_model` does the rest
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from thermostat.kernels import LinearOps
+from thermostat.models.gguf_blocks import BlockGrid
 from thermostat.models.layers import Float32Module
 from thermostat.models.linear import (
     PackedEmbedding,
@@ -36,8 +39,36 @@ from thermostat.models.linear import (
     quantized_linear,
 )
 from thermostat.models.moe import Experts
-from thermostat.models.quant import FORMATS, quantize
-from thermostat.models.weights import empty_parameters
+from thermostat.models.quant import FORMATS, QuantizedWeight, quantize
+from thermostat.models.weights import Sources, empty_parameters
+
+GridOf = Callable[[str], BlockGrid | None]  # a checkpoint's name -> its stored blocks, if any
+
+
+class StoredWeights:
+    """The weights a checkpoint stores in a form the kernels run as stored (a GGUF file's blocks:
+    `grid_of`), found from the checkpoint tensors a module's weight was loaded from (`Sources`,
+    recorded as each module completes)."""
+
+    def __init__(self, grid_of: GridOf) -> None:
+        self.grid_of = grid_of
+        self.sources: Sources = {}
+
+    def weight(self, param: str) -> QuantizedWeight | None:
+        """Parameter `param` [N, K] as stored, its parts (a fused projection's rows) in row
+        order; None unless every part is a stored grid."""
+        parts = self.sources.get(param, [])
+        if not parts or any(len(index) > 1 for index, _ in parts):  # experts: one of [E, ...]
+            return None
+        grids = [self.grid_of(name) for _, name in sorted(parts, key=_first_row)]
+        if any(g is None for g in grids):
+            return None
+        return BlockGrid.cat([g for g in grids if g is not None]).packed()
+
+
+def _first_row(part: tuple[tuple[int | slice, ...], str]) -> int:
+    index = part[0]
+    return index[0].start or 0 if index and isinstance(index[0], slice) else 0
 
 
 def check_quantization(name: str | None) -> None:
@@ -60,32 +91,47 @@ class LinearsAsLoaded:
     and embeddings (int8 whatever `fmt` is), MoE experts, float32 modules and the modules of a
     layer that rewrites its weights once all are loaded (`finish_loading`: DeepSeek's MLA)."""
 
-    def __init__(self, model: nn.Module, fmt: str, ops: LinearOps) -> None:
-        self.model, self.fmt, self.ops = model, fmt, ops
+    def __init__(
+        self, model: nn.Module, fmt: str, ops: LinearOps, stored: StoredWeights | None = None
+    ) -> None:
+        self.model, self.fmt, self.ops, self.stored = model, fmt, ops, stored
         self.skip = {"lm_head"}
         for path, module in model.named_modules():
             if isinstance(module, Float32Module) or hasattr(module, "finish_loading"):
                 self.skip |= {f"{path}.{p}" if p else path for p, _ in module.named_modules()}
 
-    def __call__(self, path: str) -> bool:
+    def __call__(self, path: str, sources: Sources) -> bool:
+        if self.stored is not None:
+            self.stored.sources.update(sources)  # for `quantize_model` too
         if path in self.skip:
             return False
         module = self.model.get_submodule(path)
         if not isinstance(module, nn.Linear):
             return False
         parent, _, name = path.rpartition(".")
-        setattr(
-            self.model.get_submodule(parent), name, quantized_linear(module, self.fmt, self.ops)
-        )
+        exact = self.stored.weight(f"{path}.weight") if self.stored is not None else None
+        if exact is None:
+            linear = quantized_linear(module, self.fmt, self.ops)
+        else:
+            bias = None if module.bias is None else module.bias.detach().clone()
+            linear = QuantLinear(exact, bias, self.ops)
+            if self.stored is not None:
+                self.stored.sources.pop(f"{path}.weight", None)
+        setattr(self.model.get_submodule(parent), name, linear)
         return True
 
 
 def quantize_model(
-    model: nn.Module, fmt: str, ops: LinearOps | None, dtype: torch.dtype | None = None
+    model: nn.Module,
+    fmt: str,
+    ops: LinearOps | None,
+    dtype: torch.dtype | None = None,
+    stored: StoredWeights | None = None,
 ) -> None:
     """Every linear layer and MoE expert of `model` in `fmt`, the embeddings and LM head in
-    int8 (one copy when tied); `dtype`: what the embeddings give the layers (default: the
-    embedding weight's dtype). ValueError without the CPU kernels (nothing else computes it)."""
+    int8 (one copy when tied), or each as the checkpoint stores it where `stored` has it;
+    `dtype`: what the embeddings give the layers (default: the embedding weight's dtype).
+    ValueError without the CPU kernels (nothing else computes it)."""
     check_quantization(fmt)
     if ops is None:
         raise ValueError(
@@ -97,12 +143,16 @@ def quantize_model(
     tied = embed is not None and bool(getattr(arch, "tie_word_embeddings", False))
     if isinstance(embed, (nn.Embedding, PackedEmbedding)):
         rows = embed.weight.detach() if isinstance(embed, nn.Embedding) else embed.table()
-        table = quantize(rows, "int8", ops)
+        exact = stored.weight("embed_tokens.weight") if stored is not None else None
+        table = quantize(rows, "int8", ops) if exact is None else exact
         model.embed_tokens = QuantEmbedding(table, dtype or rows.dtype, ops)
         if tied:
             model.lm_head = QuantLinear(table, None, ops)
     if head is not None and not tied:
-        model.lm_head = quantized_linear(head, "int8", ops)
+        exact = stored.weight("lm_head.weight") if stored is not None else None
+        model.lm_head = (
+            quantized_linear(head, "int8", ops) if exact is None else QuantLinear(exact, None, ops)
+        )
     for module in model.modules():
         if isinstance(module, Experts):
             module.quantize(fmt, ops)

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 Index = tuple[int | slice, ...]  # where a checkpoint tensor goes in its parameter; () = all
+# a module's parameters -> where each checkpoint tensor went in it: (index, checkpoint name)
+Sources = dict[str, list[tuple[Index, str]]]
 
 
 def fused_target(name: str, q_rows: int, kv_rows: int, intermediate: int) -> tuple[str, Index]:
@@ -46,6 +48,7 @@ class ParameterFiller:
         self.params = dict(module.named_parameters())
         self.sizes = {n: p.numel() for n, p in self.params.items()}
         self.filled = dict.fromkeys(self.params, 0)
+        self.sources: Sources = {}
 
     def copy(self, name: str, tensor: torch.Tensor, index: Index = (), hf_name: str = "") -> None:
         """`tensor` into parameter `name` at `index`; `hf_name` (the checkpoint's name) for
@@ -62,6 +65,11 @@ class ParameterFiller:
             )
         target.copy_(tensor)
         self.filled[name] += tensor.numel()
+        self.sources.setdefault(name, []).append((index, hf_name))
+
+    def sources_of(self, owner: str) -> Sources:
+        """Module `owner`'s own parameters' checkpoint tensors (`Sources`), by parameter name."""
+        return {n: s for n, s in self.sources.items() if n.rpartition(".")[0] == owner}
 
     def owner_complete(self, owner: str) -> bool:
         """Whether every parameter of module `owner` (its own, not its children's) is loaded."""
@@ -73,6 +81,7 @@ class ParameterFiller:
         quantized), so that this filler holds no reference to them."""
         for name in [n for n in self.params if n.rpartition(".")[0] == owner]:
             del self.params[name]
+            self.sources.pop(name, None)
 
     def check_complete(self) -> None:
         missing = sorted(n for n, size in self.sizes.items() if self.filled[n] < size)

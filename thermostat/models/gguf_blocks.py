@@ -1,0 +1,138 @@
+"""A GGUF tensor's quantized blocks as the kernels' records, exactly: the file's integers, scales
+and minimums, no requantization (quant.py's formats).
+
+Every type is read into one form, w = d q + m with q an integer, a float32 d per 16 weights along
+K (the finest any type has: Q6_K's sub-blocks) and a float32 m per 32 (-0.0 where the type has
+none: adding it leaves every value, the sign of zero included). The integers come from gguf's own
+`dequantize` of the blocks with their scales set to 1 and minimums to 0 (its bit layouts, not a
+copy of them); d and m from the scale fields, multiplied in float32 as gguf does.
+
+| type | w (gguf's dequantize)   | q       | d (per 32 unless said)     | m         | `bits`  |
+|------|-------------------------|---------|----------------------------|-----------|---------|
+| Q8_0 | d q                     | int8    | d fp16                     | -         | 8       |
+| Q5_0 | d (q - 16)              | q - 16  | d fp16                     | -         | 8       |
+| Q4_0 | d (q - 8)               | q - 8   | d fp16                     | -         | 4 (z 8) |
+| Q4_1 | d q + m                 | 0..15   | d fp16                     | m fp16    | 5       |
+| Q4_K | (d sc_j) q - dmin m_j   | 0..15   | d sc_j (up to 17 bits)     | -dmin m_j | 6       |
+| Q5_1 | d q + m                 | 0..31   | d fp16                     | m fp16    | 9       |
+| Q5_K | (d sc_j) q - dmin m_j   | 0..31   | d sc_j                     | -dmin m_j | 9       |
+| Q6_K | (d sc_j) (q - 32)       | q - 32  | d sc_j per 16, sc_j int8   | -         | 9       |
+
+Rows of different types in one weight (a fused qkv of a Q4_K_M file: Q4_K q and k, Q6_K v) take
+the format that holds them all: `bits` 9 holds every type above exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import Q4_K, dequantize
+
+from thermostat.models.quant import Bits, QuantizedWeight
+
+# byte offsets in a block: (d, m or dmin, K-quant sub-block scales) as (start, length), or None
+FIELDS: dict[str, tuple[tuple[int, int] | None, ...]] = {
+    "Q8_0": ((0, 2), None, None),
+    "Q4_0": ((0, 2), None, None),
+    "Q5_0": ((0, 2), None, None),
+    "Q4_1": ((0, 2), (2, 2), None),
+    "Q5_1": ((0, 2), (2, 2), None),
+    "Q4_K": ((0, 2), (2, 2), (4, 12)),
+    "Q5_K": ((0, 2), (2, 2), (4, 12)),
+    "Q6_K": ((208, 2), None, (192, 16)),
+}
+EXACT_TYPES = tuple(FIELDS)
+# a format whose rows are all of these types -> the format (else 9)
+NARROW: dict[frozenset[str], Bits] = {
+    frozenset({"Q8_0"}): 8,
+    frozenset({"Q5_0"}): 8,
+    frozenset({"Q8_0", "Q5_0"}): 8,
+    frozenset({"Q4_0"}): 4,
+    frozenset({"Q4_1"}): 5,
+    frozenset({"Q4_K"}): 6,
+}
+# Q4_K's scale bytes for sub-block scales 1 and minimums 0 (gguf's Q4_K.get_scale_min layout)
+UNIT_K_SCALES = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], dtype=np.uint8)
+
+
+@dataclass
+class BlockGrid:
+    """A weight [N, K] as its file stores it: w = d q + m, d per 16 along K, m per 32."""
+
+    qtypes: frozenset[str]  # the GGML types of its rows
+    q: torch.Tensor  # [N, K] int16
+    d: torch.Tensor  # [N, K / 16] float32
+    m: torch.Tensor  # [N, K / 32] float32
+
+    @classmethod
+    def read(cls, data: np.ndarray, qtype: str) -> BlockGrid:
+        """A tensor's stored blocks [N, bytes per row] (GGUFReader's data) of an EXACT_TYPES
+        type."""
+        gtype = GGMLQuantizationType[qtype]
+        block, size = GGML_QUANT_SIZES[gtype]
+        rows = data.shape[0]
+        blocks = np.ascontiguousarray(data).reshape(-1, size)  # [N * blocks per row, size]
+        d_at, m_at, scales_at = FIELDS[qtype]
+        unit = blocks.copy()
+        assert d_at is not None
+        unit[:, d_at[0] : d_at[0] + 2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+        if m_at is not None:
+            unit[:, m_at[0] : m_at[0] + 2] = 0
+        if scales_at is not None:
+            start, length = scales_at
+            unit[:, start : start + length] = UNIT_K_SCALES if length == 12 else 1
+        q = dequantize(unit, gtype).reshape(rows, -1)
+        d = _half(blocks, d_at)  # [blocks, 1]
+        m = _half(blocks, m_at) if m_at is not None else np.full_like(d, -0.0)
+        if qtype in ("Q4_K", "Q5_K"):
+            assert scales_at is not None
+            sc, mins = Q4_K.get_scale_min(blocks[:, scales_at[0] : scales_at[0] + 12])
+            d, m = d * sc.astype(np.float32), -(m * mins.astype(np.float32))
+        elif qtype == "Q6_K":
+            sc = blocks[:, 192:208].view(np.int8).astype(np.float32)
+            d, m = d * sc, np.full((len(blocks), block // 32), -0.0, dtype=np.float32)
+        per_d = block // 16 // d.shape[1]  # 16-weight pieces per d: 2, except Q6_K's 1
+        return cls(
+            frozenset({qtype}),
+            torch.from_numpy(q.astype(np.int16)),
+            torch.from_numpy(np.repeat(d, per_d, axis=1).reshape(rows, -1)),
+            torch.from_numpy(np.repeat(m, block // 32 // m.shape[1], axis=1).reshape(rows, -1)),
+        )
+
+    @classmethod
+    def cat(cls, parts: list[BlockGrid]) -> BlockGrid:
+        """Row blocks of one weight (a fused projection's parts), in order."""
+        return cls(
+            frozenset().union(*(p.qtypes for p in parts)),
+            torch.cat([p.q for p in parts]),
+            torch.cat([p.d for p in parts]),
+            torch.cat([p.m for p in parts]),
+        )
+
+    def rows(self, order: torch.Tensor) -> BlockGrid:
+        """The grid with its rows reordered (llama.cpp's q / k permutation undone)."""
+        return BlockGrid(self.qtypes, self.q[order], self.d[order], self.m[order])
+
+    def packed(self) -> QuantizedWeight:
+        """The kernels' records in the narrowest format holding every row exactly (the table)."""
+        bits = NARROW.get(self.qtypes, 9)
+        per_32 = self.d[:, 0::2]  # the one d of a block (all but Q6_K)
+        if bits == 8:
+            return QuantizedWeight.pack(self.q.to(torch.int8), per_32.half())
+        if bits == 4:
+            z = torch.full_like(per_32, 8, dtype=torch.int8)
+            return QuantizedWeight.pack((self.q + 8).to(torch.uint8), per_32.half(), z)
+        if bits == 5:
+            z = torch.zeros_like(per_32, dtype=torch.int8)
+            return QuantizedWeight.pack(self.q.to(torch.uint8), per_32.half(), z, self.m.half())
+        if bits == 6:
+            return QuantizedWeight.pack(self.q.to(torch.uint8), per_32, m=self.m, bits=6)
+        return QuantizedWeight.pack(self.q.to(torch.int8), self.d, m=self.m, bits=9)
+
+
+def _half(blocks: np.ndarray, at: tuple[int, int]) -> np.ndarray:
+    """A float16 field of every block, as float32 [blocks, 1]."""
+    return blocks[:, at[0] : at[0] + 2].copy().view(np.float16).astype(np.float32)
