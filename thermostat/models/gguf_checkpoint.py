@@ -9,26 +9,31 @@ Tensors are read one at a time with the `gguf` package, dequantized to float32
 config (gguf's tensor name map); llama.cpp's converter permutes the rows of Llama's q and k
 projections for its rotary layout, which `read` undoes.
 
-| GGUF type                 | a block of weights            | served as (default)              |
-|---------------------------|-------------------------------|----------------------------------|
-| F32, F16, BF16            | as stored                     | that dtype                       |
-| Q8_0                      | 32: d q, q int8               | int8, exactly the file's q and d |
-| Q4_0                      | 32: d (q - 8), q 4-bit        | int4, exactly the file's grid    |
-| Q4_1                      | 32: d q + m, q 4-bit          | int4 with its float16 minimums:  |
-|                           |                               | the file's d, m and q (1)        |
-| Q4_K, Q5_*, Q6_K...       | super-blocks of 8 or 16 scaled| int8, requantized (2)            |
-|                           | sub-blocks                    |                                  |
+| GGUF type        | a block of weights                     | served as (default)              |
+|------------------|----------------------------------------|----------------------------------|
+| F32, F16, BF16   | as stored                              | that dtype                       |
+| Q8_0, Q5_0       | 32: d q; d (q - 16), q 5-bit           | int8, the file's q and d         |
+| Q4_0             | 32: d (q - 8), q 4-bit                 | int4, the file's grid            |
+| Q4_1             | 32: d q + m, q 4-bit                   | int4 with its float16 minimums   |
+|                  |                                        | (1)                              |
+| Q4_K             | 256: 8 x 32, (d sc_j) q - dmin m_j,    | 4-bit with float32 scales and    |
+|                  | q 4-bit, sc_j and m_j 6-bit            | minimums (2)                     |
+| Q5_1, Q5_K, Q6_K | Q5_1 32: d q + m; Q5_K as Q4_K, q      | int8 with a float32 scale per 16 |
+|                  | 5-bit; Q6_K 256: 16 x 16, (d sc_j)     | and minimum per 32 (2)           |
+|                  | (q - 32), q 6-bit, sc_j int8           |                                  |
 
-A file's type is the one holding most of its quantized weights (a Q4_K_M file is mostly Q4_K,
-with Q6_K for some layers): a Q4_0 or Q4_1 file is served in int4, any other quantized file in
-int8 (the file's other tensors are quantized the same way), a float file in its own dtype. The
+Every quantized tensor is served as stored (`grid`; gguf_blocks.py packs its blocks exactly),
+whatever the file's main type is; a fused projection whose parts differ (a Q4_K_M file's Q4_K
+q and k with its Q6_K v) takes the record that holds both (int8 with float32 scales). The
+format reported (`serve_as`) is the main type's body: int4 for Q4_0, Q4_1 and Q4_K files, int8
+for the others; `--quantization` requantizes the dequantized weights instead. Stacked MoE experts
+are still requantized to that format. Other types (Q2_K, Q3_K, IQ*) are refused at open. The
 compute dtype ("auto") is the float file's, bfloat16 for a quantized one.
 
 (1) The kernel adds m s sum(xq) per block, llama.cpp's Q4_1 x Q8_1 product (quant.py's
-`bits` 5). (2) A K-quant's block scale d_super x a 6-bit scale is no float16, and its minimum
-need not be a block value: requantized to int4 such weights move by up to half a 4-bit step (on
-SmolLM2's Q4_1 file that moved the first token's logprobs by ~1 nat before the minimum form);
-int8 moves them by at most half an 8-bit step (1/254 of a block's largest weight).
+`bits` 5). (2) A K-quant's block scale, its float16 d times a 6-bit (Q6_K: 8-bit) scale, needs
+up to 17 bits of mantissa, which float16 has not and float32 has, as it has dmin m_j (quant.py's
+`bits` 6 and 9; Q6_K's two sub-blocks of a block of 32 each keep their scale).
 """
 
 from __future__ import annotations

@@ -16,8 +16,10 @@ Norms, rotary tables, biases, MoE routers and other float32 parts stay as they a
 `weight_bytes` is what the startup report and /server_info give. A checkpoint that is already
 integer-quantized (GPTQ, AWQ, compressed-tensors, GGUF) is loaded with `hold_float32` first: its
 dequantized weights then reach the quantizer on their exact grid (bfloat16 would round them
-off it). Each linear layer is quantized as soon as its weights are loaded (`LinearsAsLoaded`),
-so the float32 copies are never all held at once; `quantize_model` does the rest.
+off it). A GGUF file's blocks are not quantized at all: `StoredWeights` packs each linear layer,
+the embeddings and the LM head from the file's own blocks (gguf_blocks.py), whatever `fmt` is.
+Each linear layer is quantized as soon as its weights are loaded (`LinearsAsLoaded`), so the
+float32 copies are never all held at once; `quantize_model` does the rest.
 """
 
 from __future__ import annotations
