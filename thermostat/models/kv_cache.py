@@ -130,9 +130,13 @@ class PagedKVCache:
         sequence's new tokens (already written), causal over its context (no sliding window).
         Returns [q_len, Hq, D], the same bits whole or chunked."""
         assert self.ops is not None  # attends_prefills holds only with ops
+        key, value, key_scale, value_scale = self.layer_storage(layer)
         return self.ops.prefill_attention(
             q,
-            *self.layer_storage(layer),
+            key,
+            value,
+            key_scale,
+            value_scale,
             segment.block_table[0],
             segment.ctx_len - segment.q_len,
             scale,
