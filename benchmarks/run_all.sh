@@ -22,10 +22,11 @@ declare -A runs=(
   [calibrate_quality]="benchmarks/calibrate_quality.py --chunks 3000 --seed 0"
   [bench_long_context]="benchmarks/bench_long_context.py --repeats 1"
   [bench_prefill]="benchmarks/bench_prefill.py --repeats 2${VLLM_VENV:+ --vllm $VLLM_VENV}"
+  [bench_chunk_budget]="benchmarks/bench_chunk_budget.py --repeats 2"
 )
 order=(bench_engine bench_engine_formats bench_http bench_structured bench_speculative bench_gateway
   bench_pd bench_deepseek_v3 bench_deepseek_v4 bench_console quant_accuracy calibrate_quality
-  bench_long_context bench_prefill)
+  bench_long_context bench_prefill bench_chunk_budget)
 for name in "$@"; do
   [[ -n "${runs[$name]:-}" ]] || { echo "unknown benchmark: $name (one of: ${order[*]})" >&2; exit 2; }
 done
