@@ -84,7 +84,7 @@ class BlockGrid:
         if scales_at is not None:
             start, length = scales_at
             unit[:, start : start + length] = UNIT_K_SCALES if length == 12 else 1
-        q = dequantize(unit, gtype).reshape(rows, -1)
+        q = dequantized(unit.reshape(rows, -1), gtype)
         d = _half(blocks, d_at)  # [blocks, 1]
         m = _half(blocks, m_at) if m_at is not None else np.full_like(d, -0.0)
         if qtype in ("Q4_K", "Q5_K"):
@@ -131,6 +131,18 @@ class BlockGrid:
         if bits == 6:
             return QuantizedWeight.pack(self.q.to(torch.uint8), per_32, m=self.m, bits=6)
         return QuantizedWeight.pack(self.q.to(torch.int8), self.d, m=self.m, bits=9)
+
+
+def dequantized(data: np.ndarray, qtype: GGMLQuantizationType, rows: int = 4096) -> np.ndarray:
+    """gguf's `dequantize` of a tensor's stored rows into one float32 array, `rows` rows at a
+    time (its numpy temporaries stay a few MB for the largest tensor, the embeddings)."""
+    flat = data.reshape(-1, data.shape[-1])
+    first = dequantize(flat[:rows], qtype)
+    out = np.empty((len(flat), first.shape[-1]), dtype=np.float32)
+    out[: len(first)] = first
+    for r in range(rows, len(flat), rows):
+        out[r : r + rows] = dequantize(flat[r : r + rows], qtype)
+    return out.reshape(*data.shape[:-1], first.shape[-1])
 
 
 def _half(blocks: np.ndarray, at: tuple[int, int]) -> np.ndarray:

@@ -48,7 +48,6 @@ import numpy as np
 import torch
 from gguf import (
     MODEL_ARCH_NAMES,
-    GGMLQuantizationType,
     GGUFReader,
     LlamaFileType,
     ReaderTensor,
@@ -63,7 +62,7 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from thermostat.models.gguf_blocks import EXACT_TYPES, BlockGrid
+from thermostat.models.gguf_blocks import EXACT_TYPES, BlockGrid, dequantized
 from thermostat.models.gguf_reading import cached_config, cached_tokenizer, read_header
 
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -77,18 +76,6 @@ ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's llama3 rope: a divisor per frequ
 def served_types() -> tuple[str, ...]:
     """The GGML types served as the file stores them: the float ones and gguf_blocks' table."""
     return (*FLOAT_TYPES, *EXACT_TYPES)
-
-
-def dequantized(data: np.ndarray, qtype: GGMLQuantizationType, rows: int = 4096) -> np.ndarray:
-    """gguf's `dequantize` of a tensor's stored rows into one float32 array, `rows` rows at a
-    time (its numpy temporaries stay a few MB for the largest tensor, the embeddings)."""
-    flat = data.reshape(-1, data.shape[-1])
-    first = dequantize(flat[:rows], qtype)
-    out = np.empty((len(flat), first.shape[-1]), dtype=np.float32)
-    out[: len(first)] = first
-    for r in range(rows, len(flat), rows):
-        out[r : r + rows] = dequantize(flat[r : r + rows], qtype)
-    return out.reshape(*data.shape[:-1], first.shape[-1])
 
 
 def is_gguf(path: Path) -> bool:
