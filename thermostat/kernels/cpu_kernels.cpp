@@ -557,17 +557,18 @@ void quantize_blocks(const T* xp, int64_t K, int64_t stride, int64_t KB, Quantiz
   }
 }
 
-// Rows [m0, m0 + R) x column blocks [c0, c0 + C) of a group, K block kb (one record): the block's
-// integer dot products, exact, into acc (code 9: K 0-15's into acc, K 16-31's into hi).
+// Rows [m0, m0 + R) x column blocks [c0, c0 + C) of a group, K block kb (one record): the integer
+// dot products of the block's K quads [kq0, kq1) (4 bytes of K each; a 4-bit body's quad kq holds
+// K 4kq.. and 16 + 4kq..), exact, into acc.
 template <int BITS, int R, int C, bool PREFETCH>
 inline void block_dots(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
-                       int64_t m0, int c0, __m512i (&acc)[R][C], __m512i (&hi)[R][C]) {
+                       int64_t m0, int c0, int kq0, int kq1, __m512i (&acc)[R][C]) {
   constexpr QuantLayout layout = quant_layout(BITS);
   const int64_t Kp = KB * 32;
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = hi[r][c] = _mm512_setzero_si512();
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
   const uint8_t* wp = rec + layout.header;
-  for (int kq = 0; kq < (layout.nibbles ? 4 : 8); ++kq) {
+  for (int kq = kq0; kq < kq1; ++kq) {
     __m512i w[C], w_hi[C];
     for (int c = 0; c < C; ++c) {
       const uint8_t* p = wp + (kq * 4 + c0 + c) * 64;
@@ -586,11 +587,7 @@ inline void block_dots(const QuantizedActivations& a, const uint8_t* rec, int64_
       int32_t quad;
       std::memcpy(&quad, xr + kq * 4, sizeof(quad));
       const __m512i xb = _mm512_set1_epi32(quad);
-      if (layout.halves && kq >= 4) {
-        for (int c = 0; c < C; ++c) hi[r][c] = _mm512_dpbusd_epi32(hi[r][c], w[c], xb);
-      } else {
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w[c], xb);
-      }
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w[c], xb);
       if (layout.nibbles) {
         std::memcpy(&quad, xr + 16 + kq * 4, sizeof(quad));
         const __m512i xh = _mm512_set1_epi32(quad);
@@ -607,34 +604,38 @@ inline __m512 load_scales(const uint8_t* rec, int64_t at, int cc) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + at + cc * 32)));
 }
 
-// Column block cc's running sums of row m (K blocks before kb) plus K block kb's: the block's
-// integer dot products `dots` less z sum(xq), times d s, added in one fused step (code 9: the
-// halves' in two, K 0-15 first); then m s sum(xq) in another where the format has m.
+// Column block cc's running sums of row m (K blocks before kb) plus K block kb's: the integer dot
+// products `dots` less z sum(xq), times d s, added in one fused step (code 9: one half's, `half`
+// 0 for K 0-15, then 1 for K 16-31, against that half's d and sum(xq)).
 template <int BITS>
-inline __m512 add_block(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
-                        int64_t m, int cc, __m512i dots, __m512i hi, __m512 sums) {
+inline __m512 add_dots(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
+                       int64_t m, int cc, int half, __m512i dots, __m512 sums) {
   constexpr QuantLayout layout = quant_layout(BITS);
   const int64_t j = m * KB + kb;
   const __m512 s = _mm512_set1_ps(a.s[j]);
-  const __m512 d = load_scales<layout.f32>(rec, layout.d, cc);
-  __m512 added;
-  if constexpr (layout.halves) {  // int8 bytes q + 128: less 128 sum(xq) of each half
-    const int32_t low = a.low[j], high = a.sum[j] - a.low[j];
-    const __m512i lo = _mm512_sub_epi32(dots, _mm512_set1_epi32(128 * low));
-    const __m512i up = _mm512_sub_epi32(hi, _mm512_set1_epi32(128 * high));
-    const __m512 d_hi = load_scales<true>(rec, layout.d + 256, cc);
-    added = _mm512_fmadd_ps(_mm512_mul_ps(d, s), _mm512_cvtepi32_ps(lo), sums);
-    added = _mm512_fmadd_ps(_mm512_mul_ps(d_hi, s), _mm512_cvtepi32_ps(up), added);
-  } else {
-    const __m512i z = !layout.nibbles ? _mm512_set1_epi32(128)
-                      : layout.z < 0  ? _mm512_setzero_si512()
-                                      : _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + layout.z + cc * 16)));
-    const __m512i fixed = _mm512_sub_epi32(dots, _mm512_mullo_epi32(z, _mm512_set1_epi32(a.sum[j])));
-    added = _mm512_fmadd_ps(_mm512_mul_ps(d, s), _mm512_cvtepi32_ps(fixed), sums);
+  if constexpr (layout.halves) {  // int8 bytes q + 128: less 128 sum(xq) of the half
+    const int32_t sum = half == 0 ? a.low[j] : a.sum[j] - a.low[j];
+    const __m512 d = load_scales<true>(rec, layout.d + 256 * half, cc);
+    const __m512i fixed = _mm512_sub_epi32(dots, _mm512_set1_epi32(128 * sum));
+    return _mm512_fmadd_ps(_mm512_mul_ps(d, s), _mm512_cvtepi32_ps(fixed), sums);
   }
-  if constexpr (layout.m < 0) return added;
+  const __m512 d = load_scales<layout.f32>(rec, layout.d, cc);
+  const __m512i z = !layout.nibbles ? _mm512_set1_epi32(128)
+                    : layout.z < 0  ? _mm512_setzero_si512()
+                                    : _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + layout.z + cc * 16)));
+  const __m512i fixed = _mm512_sub_epi32(dots, _mm512_mullo_epi32(z, _mm512_set1_epi32(a.sum[j])));
+  return _mm512_fmadd_ps(_mm512_mul_ps(d, s), _mm512_cvtepi32_ps(fixed), sums);
+}
+
+// ... then m s sum(xq) in another fused step where the format has m.
+template <int BITS>
+inline __m512 add_mins(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
+                       int64_t m, int cc, __m512 sums) {
+  constexpr QuantLayout layout = quant_layout(BITS);
+  if constexpr (layout.m < 0) return sums;
+  const int64_t j = m * KB + kb;
   const __m512 mins = load_scales<layout.f32>(rec, layout.m, cc);
-  return _mm512_fmadd_ps(mins, _mm512_set1_ps(a.s[j] * static_cast<float>(a.sum[j])), added);  // m s sum(xq)
+  return _mm512_fmadd_ps(mins, _mm512_set1_ps(a.s[j] * static_cast<float>(a.sum[j])), sums);  // m s sum(xq)
 }
 
 // Every row x column blocks [c0, c0 + C) of group g, bias added, into y: tiles of rows whose
@@ -647,7 +648,8 @@ inline __m512 add_block(const QuantizedActivations& a, const uint8_t* rec, int64
 template <int BITS, int C, bool PREFETCH, typename T>
 void quant_group(const QuantizedActivations& a, int64_t M, const uint8_t* W, int64_t KB,
                  const float* bias, T* y, int64_t N, int64_t g, int c0) {
-  constexpr int64_t record = quant_layout(BITS).record;
+  constexpr QuantLayout layout = quant_layout(BITS);
+  constexpr int64_t record = layout.record;
   const uint8_t* rec0 = W + g * KB * record;
   auto tile = [&](auto rows, int64_t m0) {
     constexpr int R = decltype(rows)::value;
@@ -656,10 +658,16 @@ void quant_group(const QuantizedActivations& a, int64_t M, const uint8_t* W, int
       for (int c = 0; c < C; ++c) run[r][c] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < KB; ++kb) {
       const uint8_t* rec = rec0 + kb * record;
-      __m512i acc[R][C], hi[R][C];
-      block_dots<BITS, R, C, PREFETCH>(a, rec, KB, kb, m0, c0, acc, hi);
+      // code 9's halves one after the other (their sums would not fit the registers together)
+      constexpr int halves = layout.halves ? 2 : 1, quads = (layout.nibbles ? 4 : 8) / halves;
+      for (int h = 0; h < halves; ++h) {
+        __m512i acc[R][C];
+        block_dots<BITS, R, C, PREFETCH>(a, rec, KB, kb, m0, c0, h * quads, (h + 1) * quads, acc);
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < C; ++c) run[r][c] = add_dots<BITS>(a, rec, KB, kb, m0 + r, c0 + c, h, acc[r][c], run[r][c]);
+      }
       for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) run[r][c] = add_block<BITS>(a, rec, KB, kb, m0 + r, c0 + c, acc[r][c], hi[r][c], run[r][c]);
+        for (int c = 0; c < C; ++c) run[r][c] = add_mins<BITS>(a, rec, KB, kb, m0 + r, c0 + c, run[r][c]);
     }
     for (int r = 0; r < R; ++r) {
       for (int c = c0; c < c0 + C; ++c) {
