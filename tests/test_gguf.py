@@ -410,12 +410,15 @@ def random_blocks(rows: int, cols: int, qtype: Q, seed: int, scale: float = 2e-5
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K])
 def test_blocks_are_packed_to_exactly_the_files_weights(qtype):
-    """Each served type's blocks, packed for the kernels, dequantize to gguf's own dequantization
-    bit for bit (float32, the sign of zero included), read as embedding rows the same; the
-    kernel's product is its reference's, batch invariant."""
+    """Each served type's blocks, as read (the floats the loader makes of them) and packed for
+    the kernels, dequantize to gguf's own dequantization bit for bit (float32, the sign of zero
+    included), read as embedding rows the same; the kernel's product is its reference's, batch
+    invariant."""
     raw = random_blocks(70, 512, qtype, seed=qtype.value, scale=0.01)
     want = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
-    weight = BlockGrid.read(raw, qtype.name).packed()
+    grid = BlockGrid.read(raw, qtype.name)
+    assert torch.equal(grid.dequantize().view(torch.int32), want.view(torch.int32))
+    weight = grid.packed()
     assert torch.equal(weight.dequantize().view(torch.int32), want.view(torch.int32))
     ids = torch.tensor([0, 69, 33, 64])
     assert torch.equal(weight.rows(ids, torch.float32), want[ids])

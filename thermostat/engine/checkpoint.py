@@ -44,11 +44,14 @@ class Checkpoint(Protocol):
     def source(self) -> str:
         """What the checkpoint holds: 'safetensors bfloat16', 'gptq 4-bit g128', 'gguf Q8_0'."""
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def tensors(self, grids: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, float tensor) one at a time; `grids`: keep the blocks of those the kernels run
+        as stored, for `grid`."""
 
     def grid(self, name: str) -> BlockGrid | None:
-        """The blocks tensor `name` (yielded by `tensors`) is stored in, where the kernels run
-        them as stored (a GGUF file's); else None (its values are quantized at load)."""
+        """The blocks tensor `name` (yielded by `tensors(grids=True)`) is stored in, where the
+        kernels run them as stored (a GGUF file's), handed over once; else None (its values are
+        quantized at load)."""
 
     def tokenizer(self) -> PreTrainedTokenizerBase: ...
 
@@ -95,7 +98,7 @@ class HFCheckpoint:
         declared = getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None)
         return f"safetensors {str(declared or 'float32').removeprefix('torch.')}"
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, grids: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         stored = iter_tensors(weight_files(self.directory))
         return stored if self.reader is None else self.reader.read(stored)
 

@@ -234,7 +234,7 @@ def load_model(
     stored = StoredWeights(checkpoint.grid) if quantization is None else None
     stream = LinearsAsLoaded(cast(nn.Module, net), fmt, ops, stored) if fmt and ops else None
     try:
-        net.load_weights(trimmed(checkpoint.tensors()), stream)
+        net.load_weights(trimmed(checkpoint.tensors(grids=stored is not None)), stream)
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
     if fmt is not None:

@@ -116,6 +116,13 @@ class BlockGrid:
         """The grid with its rows reordered (llama.cpp's q / k permutation undone)."""
         return BlockGrid(self.qtypes, self.q[order], self.d[order], self.m[order])
 
+    def dequantize(self) -> torch.Tensor:
+        """The weight in float32, d q + m: the values gguf's `dequantize` gives (a product and a
+        sum, each rounded once, as its own)."""
+        d = self.d.repeat_interleave(16, dim=1)[:, : self.q.shape[1]]
+        m = self.m.repeat_interleave(32, dim=1)[:, : self.q.shape[1]]
+        return self.q.float().mul_(d).add_(m)
+
     def packed(self) -> QuantizedWeight:
         """The kernels' records in the narrowest format holding every row exactly (the table)."""
         bits = NARROW.get(self.qtypes, 9)

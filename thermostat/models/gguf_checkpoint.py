@@ -50,7 +50,6 @@ from gguf import (
     MODEL_ARCH_NAMES,
     GGUFReader,
     LlamaFileType,
-    ReaderTensor,
     get_tensor_name_map,
 )
 from gguf.quants import dequantize
@@ -104,9 +103,9 @@ class GGUFCheckpoint:
     main_type: str  # the GGML type holding most weights: Q8_0, Q4_K, BF16, ...
     file_type: str  # general.file_type's name (Q4_K_M), else main_type
     metadata: dict[str, Any] = field(default_factory=dict)
-    # Hugging Face name -> (its quantized tensor, heads whose q / k rows are unpermuted), as
-    # `tensors` has yielded them: what `grid` reads
-    stored: dict[str, tuple[ReaderTensor, int | None]] = field(default_factory=dict)
+    # Hugging Face name -> its stored blocks, rows in the model's order, as `tensors(grids=True)`
+    # has read them: what `grid` hands over (once)
+    grids: dict[str, BlockGrid] = field(default_factory=dict)
 
     @classmethod
     def open(cls, path: Path) -> GGUFCheckpoint:
@@ -152,15 +151,10 @@ class GGUFCheckpoint:
         return "int4" if self.main_type in INT4_BODY else "int8"
 
     def grid(self, name: str) -> BlockGrid | None:
-        """The blocks of the quantized tensor `tensors` yielded as `name` (a Hugging Face name),
-        its rows in the model's order; None for a float tensor or an expert of a stacked one."""
-        if name not in self.stored:
-            return None
-        tensor, heads = self.stored[name]
-        grid = BlockGrid.read(tensor.data, tensor.tensor_type.name)
-        if heads is None:
-            return grid
-        return grid.rows(unpermute_rows(torch.arange(len(grid.q)), heads))
+        """The blocks of the quantized tensor `tensors(grids=True)` yielded as `name` (a Hugging
+        Face name), its rows in the model's order, handed over once; None for a float tensor or
+        an expert of a stacked one."""
+        return self.grids.pop(name, None)
 
     @property
     def source(self) -> str:
@@ -177,10 +171,11 @@ class GGUFCheckpoint:
         config: dict[str, Any] = self.config.to_dict()
         return config
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, grids: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, float32 tensor), one tensor of the file at a time; a stacked
-        experts tensor [E, ...] as one tensor per expert. ValueError naming a tensor the model
-        has no name for."""
+        experts tensor [E, ...] as one tensor per expert. A quantized tensor's blocks are read
+        once (BlockGrid) and its floats made from them; `grids`: kept for `grid`. ValueError
+        naming a tensor the model has no name for."""
         names = self._hf_names()
         heads = {
             "attn_q": self.config.num_attention_heads,
@@ -190,9 +185,9 @@ class GGUFCheckpoint:
         for tensor in self.reader.tensors:
             if tensor.name == ROPE_FREQS:
                 continue  # in the config's rope parameters (`_fill_config`)
-            values = torch.from_numpy(dequantized(tensor.data, tensor.tensor_type))
             experts = EXPERTS.fullmatch(tensor.name)
             if experts is not None:
+                values = torch.from_numpy(dequantized(tensor.data, tensor.tensor_type))
                 prefix = f"model.layers.{experts['layer']}.mlp.experts"
                 for e, expert in enumerate(values):
                     yield f"{prefix}.{e}.{experts['proj']}_proj.weight", expert
@@ -201,10 +196,17 @@ class GGUFCheckpoint:
                 raise ValueError(f"{self.path}: tensor {tensor.name} has no place in the model")
             kind = tensor.name.split(".")[-2] if tensor.name.startswith("blk.") else ""
             permuted = heads[kind] if self.architecture == "llama" and kind in heads else None
-            if permuted is not None:
-                values = unpermute_rows(values, permuted)
             if tensor.tensor_type.name in EXACT_TYPES:
-                self.stored[names[tensor.name]] = (tensor, permuted)
+                grid = BlockGrid.read(tensor.data, tensor.tensor_type.name)
+                if permuted is not None:
+                    grid = grid.rows(unpermute_rows(torch.arange(len(grid.q)), permuted))
+                if grids:
+                    self.grids[names[tensor.name]] = grid
+                values = grid.dequantize()
+            else:
+                values = torch.from_numpy(dequantized(tensor.data, tensor.tensor_type))
+                if permuted is not None:
+                    values = unpermute_rows(values, permuted)
             if self.architecture in NORMS_PLUS_ONE and tensor.name.endswith("norm.weight"):
                 values = values - 1.0  # llama.cpp's converter stored Gemma's norms as 1 + w
             yield names[tensor.name], values
