@@ -119,10 +119,13 @@ def add_tokenizer(writer: gguf.GGUFWriter, src: Path, vocab_size: int) -> None:
     writer.add_chat_template(template)
 
 
-def write_gguf(src: Path, out: Path, qtype: Q, arch: str = "llama") -> dict[str, torch.Tensor]:
-    """`src` (a float32 Llama or Qwen3-MoE checkpoint) as a GGUF whose matrices are `qtype`;
-    returns the file's dequantized weights under their Hugging Face names (q and k rows back in
-    order, experts one by one)."""
+def write_gguf(
+    src: Path, out: Path, qtype: Q, arch: str = "llama", experts_qtype: Q | None = None
+) -> dict[str, torch.Tensor]:
+    """`src` (a float32 Llama or Qwen3-MoE checkpoint) as a GGUF whose matrices are `qtype`
+    (stacked experts: random valid blocks of `experts_qtype` where given, for the types gguf
+    cannot quantize to); returns the file's dequantized weights under their Hugging Face names
+    (q and k rows back in order, experts one by one)."""
     config = json.loads((src / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
@@ -157,7 +160,13 @@ def write_gguf(src: Path, out: Path, qtype: Q, arch: str = "llama") -> dict[str,
         heads_of = {"q_proj": heads, "k_proj": kv_heads}.get(name.split(".")[-2])
         if arch == "llama" and heads_of:
             w = llama_cpp_permute(w, heads_of)
-        if w.ndim >= 2:
+        if w.ndim == 3 and experts_qtype is not None:
+            rows = w.shape[0] * w.shape[1]
+            blocks = random_blocks(rows, w.shape[2], experts_qtype, seed=len(dequantized))
+            blocks = blocks.reshape(*w.shape[:2], -1)
+            writer.add_tensor(gguf_name(name), blocks, raw_dtype=experts_qtype)
+            w = gguf.quants.dequantize(blocks, experts_qtype)
+        elif w.ndim >= 2:
             blocks = gguf.quants.quantize(w, qtype)
             writer.add_tensor(gguf_name(name), blocks, raw_dtype=qtype)
             w = gguf.quants.dequantize(blocks, qtype)
@@ -389,6 +398,30 @@ def test_qwen3_moe_experts_stacked_in_the_file(tmp_path):
         prompt_logprobs(llm, prompts, 320), prompt_logprobs(float_llm, prompts, 320), strict=True
     ):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+def test_stacked_experts_are_served_as_stored(tmp_path, qtype):
+    """A MoE file's stacked K-quant experts: each expert's two projections dequantize to the
+    file's values exactly (gate and up rows in order), and the model generates."""
+    src = write_model(
+        tmp_path / "float", "qwen3_moe", hidden_size=256, moe_intermediate_size=256,
+        mlp_only_layers=[],
+    )  # fmt: skip
+    path = tmp_path / "moe-k.gguf"
+    files = write_gguf(src, path, Q.Q8_0, "qwen3moe", experts_qtype=qtype)
+    llm = LLM(str(path), dtype="float32", **SMALL)
+    experts = llm.engine.loaded.model.layers[0].mlp.experts
+    assert experts.per_expert is not None
+    for e in (0, len(experts.per_expert) - 1):
+        gate_up, down = experts.per_expert[e]
+        prefix = f"model.layers.0.mlp.experts.{e}"
+        want = torch.cat([files[f"{prefix}.{p}_proj.weight"] for p in ("gate", "up")])
+        assert torch.equal(gate_up.weight.dequantize(), want)
+        assert torch.equal(down.weight.dequantize(), files[f"{prefix}.down_proj.weight"])
+        assert gate_up.weight.bits == (6 if qtype == Q.Q4_K else 9)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate([[5, 6, 7]], greedy)[0].token_ids) == 4
 
 
 SCALE_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q6_K": (208,)}

@@ -27,8 +27,8 @@ whatever the file's main type is; a fused projection whose parts differ (a Q4_K_
 q and k with its Q6_K v) takes the record that holds both (int8 with float32 scales). The
 format reported (`serve_as`) is the main type's body: int4 for Q4_0, Q4_1 and Q4_K files, int8
 for the others; `--quantization` requantizes the dequantized weights instead. Stacked MoE experts
-are still requantized to that format. Other types (Q2_K, Q3_K, IQ*) are refused at open. The
-compute dtype ("auto") is the float file's, bfloat16 for a quantized one.
+([E, ...] tensors) are served as stored expert by expert. Other types (Q2_K, Q3_K, IQ*) are
+refused at open. The compute dtype ("auto") is the float file's, bfloat16 for a quantized one.
 
 (1) The kernel adds m s sum(xq) per block, llama.cpp's Q4_1 x Q8_1 product (quant.py's
 `bits` 5). (2) A K-quant's block scale, its float16 d times a 6-bit (Q6_K: 8-bit) scale, needs
@@ -50,6 +50,7 @@ from gguf import (
     MODEL_ARCH_NAMES,
     GGUFReader,
     LlamaFileType,
+    ReaderTensor,
     get_tensor_name_map,
 )
 from gguf.quants import dequantize
@@ -152,8 +153,8 @@ class GGUFCheckpoint:
 
     def grid(self, name: str) -> BlockGrid | None:
         """The blocks of the quantized tensor `tensors(grids=True)` yielded as `name` (a Hugging
-        Face name), its rows in the model's order, handed over once; None for a float tensor or
-        an expert of a stacked one."""
+        Face name; a stacked tensor's expert e as `...experts.{e}.{proj}_proj.weight`), its rows
+        in the model's order, handed over once; None for a float tensor."""
         return self.grids.pop(name, None)
 
     @property
@@ -187,10 +188,7 @@ class GGUFCheckpoint:
                 continue  # in the config's rope parameters (`_fill_config`)
             experts = EXPERTS.fullmatch(tensor.name)
             if experts is not None:
-                values = torch.from_numpy(dequantized(tensor.data, tensor.tensor_type))
-                prefix = f"model.layers.{experts['layer']}.mlp.experts"
-                for e, expert in enumerate(values):
-                    yield f"{prefix}.{e}.{experts['proj']}_proj.weight", expert
+                yield from self._experts(tensor, experts, grids)
                 continue
             if tensor.name not in names:
                 raise ValueError(f"{self.path}: tensor {tensor.name} has no place in the model")
@@ -210,6 +208,23 @@ class GGUFCheckpoint:
             if self.architecture in NORMS_PLUS_ONE and tensor.name.endswith("norm.weight"):
                 values = values - 1.0  # llama.cpp's converter stored Gemma's norms as 1 + w
             yield names[tensor.name], values
+
+    def _experts(
+        self, tensor: ReaderTensor, match: re.Match[str], grids: bool
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A stacked experts tensor [E, ...] as one (name, float32 tensor) per expert; a
+        quantized one's blocks read per expert (kept for `grid` with `grids`)."""
+        prefix = f"model.layers.{match['layer']}.mlp.experts"
+        names = [f"{prefix}.{e}.{match['proj']}_proj.weight" for e in range(len(tensor.data))]
+        if tensor.tensor_type.name not in EXACT_TYPES:
+            values = torch.from_numpy(dequantized(tensor.data, tensor.tensor_type))
+            yield from zip(names, values, strict=True)
+            return
+        for name, blocks in zip(names, tensor.data, strict=True):
+            grid = BlockGrid.read(blocks, tensor.tensor_type.name)
+            if grids:
+                self.grids[name] = grid
+            yield name, grid.dequantize()
 
     def _hf_names(self) -> dict[str, str]:
         """GGUF tensor name -> the Hugging Face name, through gguf's name map over the names of

@@ -44,7 +44,7 @@ from thermostat.kernels import CpuOps, LinearOps
 from thermostat.models.activations import gated_activation
 from thermostat.models.layers import Float32Module
 from thermostat.models.linear import PackedLinear, QuantLinear
-from thermostat.models.quant import quantize
+from thermostat.models.quant import QuantizedWeight, quantize
 from thermostat.models.weights import Index
 
 
@@ -139,11 +139,26 @@ class Experts(nn.Module):
             return
         self._split(lambda w: PackedLinear(w, None, ops))
 
-    def quantize(self, fmt: str, ops: LinearOps) -> None:
-        """Every expert's two projections in `fmt` (packed experts are left to the caller's
-        pass over the model's PackedLinears)."""
-        if self.per_expert is None:
+    def quantize(
+        self,
+        fmt: str,
+        ops: LinearOps,
+        stored: tuple[list[QuantizedWeight], list[QuantizedWeight]] | None = None,
+    ) -> None:
+        """Every expert's two projections in `fmt`, or as the checkpoint stores them (`stored`:
+        each expert's gate_up and down weights; a GGUF file's blocks). Packed experts are left
+        to the caller's pass over the model's PackedLinears."""
+        if self.per_expert is not None:
+            return
+        if stored is None:
             self._split(lambda w: QuantLinear(quantize(w, fmt, ops), None, ops))
+            return
+        gate_up, down = stored
+        self.per_expert = nn.ModuleList(
+            nn.ModuleList([QuantLinear(gate_up[e], None, ops), QuantLinear(down[e], None, ops)])
+            for e in range(self.num_experts)
+        )
+        del self.gate_up_proj, self.down_proj
 
     def _split(self, make: Callable[[torch.Tensor], nn.Module]) -> None:
         gate_up, down = self.gate_up_proj.detach(), self.down_proj.detach()

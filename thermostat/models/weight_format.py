@@ -42,7 +42,7 @@ from thermostat.models.linear import (
 )
 from thermostat.models.moe import Experts
 from thermostat.models.quant import FORMATS, QuantizedWeight, quantize
-from thermostat.models.weights import Sources, empty_parameters
+from thermostat.models.weights import Index, Sources, empty_parameters
 
 GridOf = Callable[[str], BlockGrid | None]  # a checkpoint's name -> its stored blocks, if any
 
@@ -59,7 +59,21 @@ class StoredWeights:
     def weight(self, param: str) -> QuantizedWeight | None:
         """Parameter `param` [N, K] as stored, its parts (a fused projection's rows) in row
         order; None unless every part is a stored grid."""
+        return self._packed(self.sources.get(param, []))
+
+    def experts(self, param: str, count: int) -> list[QuantizedWeight] | None:
+        """Stacked experts' parameter `param` [E, N, K] as stored, one weight per expert (its
+        parts: Index (e, rows)); None unless every expert's every part is a stored grid."""
         parts = self.sources.get(param, [])
+        if not parts or any(not index or not isinstance(index[0], int) for index, _ in parts):
+            return None
+        weights = [
+            self._packed([(index[1:], name) for index, name in parts if index[0] == e])
+            for e in range(count)
+        ]
+        return None if any(w is None for w in weights) else [w for w in weights if w]
+
+    def _packed(self, parts: list[tuple[Index, str]]) -> QuantizedWeight | None:
         if not parts or any(len(index) > 1 for index, _ in parts):  # experts: one of [E, ...]
             return None
         grids = [self.grid_of(name) for _, name in sorted(parts, key=_first_row)]
@@ -155,9 +169,14 @@ def quantize_model(
         model.lm_head = (
             quantized_linear(head, "int8", ops) if exact is None else QuantLinear(exact, None, ops)
         )
-    for module in model.modules():
+    for path, module in model.named_modules():
         if isinstance(module, Experts):
-            module.quantize(fmt, ops)
+            as_stored = None
+            if stored is not None:
+                gate_up = stored.experts(f"{path}.gate_up_proj", module.num_experts)
+                down = stored.experts(f"{path}.down_proj", module.num_experts)
+                as_stored = (gate_up, down) if gate_up and down else None
+            module.quantize(fmt, ops, as_stored)
     quantize_linears(model, fmt, ops, skip=(Float32Module, QuantLinear))
 
 
