@@ -22,9 +22,8 @@ from pathlib import Path
 
 import torch
 from bench_http import random_model
-from results import Table, record
+from results import Table, record, show
 from rich.console import Console
-from rich.table import Table as RichTable
 
 from thermostat import LLM, SamplingParams
 
@@ -73,20 +72,13 @@ def main() -> None:
     for b in args.budgets:
         rates = [round(n / best[b, n]) for n in args.lens]
         rows.append([b, *rates, round(min(b, longest) / (longest / best[b, longest]) * 1000)])
-    table = RichTable(title=f"prefill by step budget, best of {args.repeats}")
-    for column in columns:
-        table.add_column(column)
-    for row in rows:
-        table.add_row(*(str(c) for c in row))
-    Console().print(table)
+    table = Table(f"prefill tok/s by --max-num-batched-tokens, best of {args.repeats}", columns,
+                  rows)  # fmt: skip
+    show(table)
     record(
         "bench_chunk_budget",
         "The step's token budget (chunked prefill) against prefill speed",
-        [
-            Table(
-                f"prefill tok/s by --max-num-batched-tokens, best of {args.repeats}", columns, rows
-            )
-        ],  # fmt: skip
+        [table],
         notes="Offline, one engine per budget in one process, prompts interleaved across them; "
         f"KV cache {args.kv_cache_dtype}. The chunk's time (budget / rate at the longest length) "
         "is what a decoding request beside the prompt waits per step.",

@@ -26,9 +26,8 @@ from pathlib import Path
 
 import httpx
 from bench_http import prompts, random_model, serving
-from results import Table, record
+from results import Table, record, show
 from rich.console import Console
-from rich.table import Table as RichTable
 
 console = Console(stderr=True)
 VOCAB = 49152
@@ -136,13 +135,7 @@ def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
         Table(f"decode at long context, medians of {args.repeats}", decode_cols, decode_rows),
         Table(f"a resent session, medians of {args.repeats}", session_cols, session_rows),
     ]
-    for table in tables:
-        shown = RichTable(title=table.title)
-        for column in table.columns:
-            shown.add_column(column)
-        for row in table.rows:
-            shown.add_row(*(str(c) for c in row))
-        Console().print(shown)
+    show(*tables)
     record(
         "bench_long_context",
         "Decode at long context and a resent agent session (prefix cache on)",

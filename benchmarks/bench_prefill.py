@@ -31,9 +31,8 @@ from pathlib import Path
 
 import httpx
 from bench_http import prompts, random_model, serving
-from results import Table, record
+from results import Table, record, show
 from rich.console import Console
-from rich.table import Table as RichTable
 
 console = Console(stderr=True)
 VOCAB = 49152
@@ -150,22 +149,13 @@ def report(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
                 keys = ("concurrent_median", "concurrent_last")
                 ratio += [round(median(peer, k) / median(name, k), 2) for k in keys]
             rows.append(ratio)
-    table = RichTable(title=f"prefill over HTTP, medians of {args.repeats}")
-    for column in columns:
-        table.add_column(column)
-    for row in rows:
-        table.add_row(*(str(c) for c in row))
-    Console().print(table)
+    table = Table(f"prefill tok/s (length / time to first token), medians of {args.repeats}",
+                  columns, rows)  # fmt: skip
+    show(table)
     record(
         "bench_prefill",
         "Prefill of long prompts over HTTP, beside vLLM's CPU build",
-        [
-            Table(
-                f"prefill tok/s (length / time to first token), medians of {args.repeats}",
-                columns,
-                rows,
-            )
-        ],
+        [table],
         notes="Each server ran alone (started, warmed, measured, stopped in turn), no prefix "
         "cache, fresh random token ids; ratio rows: Thermostat's rate (or TTFT advantage) over "
         "vLLM's.",

@@ -49,6 +49,21 @@ class Table:
     rows: list[list[Cell]]
 
 
+def show(*tables: Table) -> None:
+    """Print tables on the terminal (rich, imported here: the rest of this module is the standard
+    library's)."""
+    from rich.console import Console
+    from rich.table import Table as RichTable
+
+    for table in tables:
+        shown = RichTable(title=table.title)
+        for column in table.columns:
+            shown.add_column(column)
+        for row in table.rows:
+            shown.add_row(*(str(c) for c in row))
+        Console().print(shown)
+
+
 def _cell(value: object) -> Cell:
     if value is None or isinstance(value, str | int):
         return value  # a bool is an int: written as true or false

@@ -255,13 +255,19 @@ def test_q8_0_is_served_in_int8_with_the_files_integers_and_scales(q8_0):
 
 def test_logits_match_transformers_on_the_files_weights(q8_0, tmp_path):
     path, dequantized, src = q8_0
-    hf = hf_model(write_reference(src, tmp_path / "ref", dequantized))
+    assert_logits_close(path, write_reference(src, tmp_path / "ref", dequantized))
+
+
+def assert_logits_close(path: Path, reference: Path) -> None:
+    """The engine's prompt logprobs on the GGUF file `path` within KL 0.01 of transformers' on
+    its dequantized weights (`reference`): int8 activations, per block of 32."""
+    hf = hf_model(reference)
     llm = LLM(str(path), dtype="float32", **SMALL)
     prompts = [p for p in PROMPTS if len(p) > 1]
     for prompt, got in zip(prompts, prompt_logprobs(llm, prompts, 320), strict=True):
         with torch.no_grad():
             expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], dim=-1)[:-1]
-        kl = (expected.exp() * (expected - got)).sum(-1)  # int8 activations, per block of 32
+        kl = (expected.exp() * (expected - got)).sum(-1)
         assert kl.max() < 0.01, kl
 
 
@@ -534,14 +540,7 @@ def test_k_quant_files_are_served_as_stored(wide, tmp_path, qtype, file_type, na
     embed = files["model.embed_tokens.weight"]
     assert torch.equal(loaded.model.embed_tokens.weight.dequantize(), embed)
     del loaded
-    hf = hf_model(write_reference(wide, tmp_path / "ref", files))
-    llm = LLM(str(path), dtype="float32", **SMALL)
-    prompts = [p for p in PROMPTS if len(p) > 1]
-    for prompt, got in zip(prompts, prompt_logprobs(llm, prompts, 320), strict=True):
-        with torch.no_grad():
-            expected = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], dim=-1)[:-1]
-        kl = (expected.exp() * (expected - got)).sum(-1)
-        assert kl.max() < 0.01, kl
+    assert_logits_close(path, write_reference(wide, tmp_path / "ref", files))
 
 
 def test_q4_k_m_file_is_served_as_stored(wide, tmp_path):
