@@ -63,7 +63,7 @@ class BlockGrid:
     """A weight [N, K] as its file stores it: w = d q + m, d per 16 along K, m per 32."""
 
     qtypes: frozenset[str]  # the GGML types of its rows
-    q: torch.Tensor  # [N, K] int16
+    q: torch.Tensor  # [N, K] int8 (every served type's integers fit: Q8_0's widest)
     d: torch.Tensor  # [N, K / 16] float32
     m: torch.Tensor  # [N, K / 32] float32
 
@@ -97,7 +97,7 @@ class BlockGrid:
         per_d = block // 16 // d.shape[1]  # 16-weight pieces per d: 2, except Q6_K's 1
         return cls(
             frozenset({qtype}),
-            torch.from_numpy(q.astype(np.int16)),
+            torch.from_numpy(q.astype(np.int8)),
             torch.from_numpy(np.repeat(d, per_d, axis=1).reshape(rows, -1)),
             torch.from_numpy(np.repeat(m, block // 32 // m.shape[1], axis=1).reshape(rows, -1)),
         )

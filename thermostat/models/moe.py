@@ -135,15 +135,15 @@ class Experts(nn.Module):
     def pack_with(self, ops: LinearOps | None) -> None:
         """bf16 with the kernels: each expert's projections as PackedLinears (one arithmetic
         for any batch, as every dense layer); otherwise the float parameters stay."""
-        if ops is None or self.gate_up_proj.dtype != torch.bfloat16:
-            return
+        if self.per_expert is not None or ops is None or self.gate_up_proj.dtype != torch.bfloat16:
+            return  # (already quantized as a checkpoint stores them: weight_format)
         self._split(lambda w: PackedLinear(w, None, ops))
 
     def quantize(
         self,
         fmt: str,
         ops: LinearOps,
-        stored: tuple[list[QuantizedWeight], list[QuantizedWeight]] | None = None,
+        stored: tuple[list[QuantizedWeight], ...] | None = None,
     ) -> None:
         """Every expert's two projections in `fmt`, or as the checkpoint stores them (`stored`:
         each expert's gate_up and down weights; a GGUF file's blocks). Packed experts are left

@@ -61,9 +61,14 @@ class StoredWeights:
         order; None unless every part is a stored grid."""
         return self._packed(self.sources.get(param, []))
 
-    def experts(self, param: str, count: int) -> list[QuantizedWeight] | None:
-        """Stacked experts' parameter `param` [E, N, K] as stored, one weight per expert (its
-        parts: Index (e, rows)); None unless every expert's every part is a stored grid."""
+    def experts(self, path: str, count: int) -> tuple[list[QuantizedWeight], ...] | None:
+        """Stacked experts module `path`'s gate_up_proj and down_proj [E, N, K] as stored, one
+        weight per expert each (parts: Index (e, rows)); None unless every part is a stored grid."""
+        gate_up = self._per_expert(f"{path}.gate_up_proj", count)
+        down = self._per_expert(f"{path}.down_proj", count)
+        return None if gate_up is None or down is None else (gate_up, down)
+
+    def _per_expert(self, param: str, count: int) -> list[QuantizedWeight] | None:
         parts = self.sources.get(param, [])
         if not parts or any(not index or not isinstance(index[0], int) for index, _ in parts):
             return None
@@ -103,8 +108,9 @@ def hold_float32(model: nn.Module) -> None:
 class LinearsAsLoaded:
     """`load_weights`' `filled` callback that quantizes each linear layer as soon as its weights
     are loaded, so that a quantized model never holds all its float weights at once (float32
-    for a pre-quantized checkpoint: 4 bytes per weight). Left for `quantize_model`: the LM head
-    and embeddings (int8 whatever `fmt` is), MoE experts, float32 modules and the modules of a
+    for a pre-quantized checkpoint: 4 bytes per weight); MoE experts too where the checkpoint
+    stores them as the kernels run them (`stored`). Left for `quantize_model`: the LM head and
+    embeddings (int8 whatever `fmt` is), other MoE experts, float32 modules and the modules of a
     layer that rewrites its weights once all are loaded (`finish_loading`: DeepSeek's MLA)."""
 
     def __init__(
@@ -122,6 +128,11 @@ class LinearsAsLoaded:
         if path in self.skip:
             return False
         module = self.model.get_submodule(path)
+        if isinstance(module, Experts) and self.stored is not None:
+            as_stored = self.stored.experts(path, module.num_experts)
+            if as_stored is not None:  # packed now: their blocks and float copies let go
+                module.quantize(self.fmt, self.ops, as_stored)
+            return as_stored is not None
         if not isinstance(module, nn.Linear):
             return False
         parent, _, name = path.rpartition(".")
@@ -171,11 +182,7 @@ def quantize_model(
         )
     for path, module in model.named_modules():
         if isinstance(module, Experts):
-            as_stored = None
-            if stored is not None:
-                gate_up = stored.experts(f"{path}.gate_up_proj", module.num_experts)
-                down = stored.experts(f"{path}.down_proj", module.num_experts)
-                as_stored = (gate_up, down) if gate_up and down else None
+            as_stored = stored.experts(path, module.num_experts) if stored is not None else None
             module.quantize(fmt, ops, as_stored)
     quantize_linears(model, fmt, ops, skip=(Float32Module, QuantLinear))
 
