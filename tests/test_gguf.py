@@ -6,7 +6,9 @@ weights."""
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -543,7 +545,7 @@ def test_k_quant_files_are_served_as_stored(wide, tmp_path, qtype, file_type, na
     assert_logits_close(path, write_reference(wide, tmp_path / "ref", files))
 
 
-def test_q4_k_m_file_is_served_as_stored(wide, tmp_path):
+def test_q4_k_m_file_is_served_as_stored(wide, tmp_path, caplog):
     """A Q4_K_M file (Q4_K, with Q6_K for v, the down projections and the embeddings): a fused
     projection holding both types takes the format that holds both (`bits` 9), the Q4_K-only
     ones 4-bit records (`bits` 6), every value the file's; it serves. `--quantization int4`
@@ -554,8 +556,11 @@ def test_q4_k_m_file_is_served_as_stored(wide, tmp_path):
 
     path = tmp_path / "tiny-q4_k_m.gguf"
     files = write_k_quant_gguf(wide, path, qtype_of, 15)
-    loaded = load_model(path, dtype="float32")
+    with caplog.at_level(logging.INFO, logger="thermostat.loader"):
+        loaded = load_model(path, dtype="float32")
     assert (loaded.weight_format, loaded.weight_source) == ("int4", "gguf Q4_K_M")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:")]
+    assert said and re.fullmatch(r"weights: (\d+) of \1 as the file stores them", said[0]), said
     block = loaded.model.layers[0]
     assert (block.self_attn.qkv_proj.weight.bits, block.self_attn.o_proj.weight.bits) == (9, 6)
     qkv = torch.cat([files[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])

@@ -43,6 +43,7 @@ from thermostat.models.weight_format import (
     check_quantization,
     hold_float32,
     quantize_model,
+    quantized_weights,
     weight_bytes,
 )
 from thermostat.sampling.generation_config import (
@@ -238,12 +239,25 @@ def load_model(
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
     if fmt is not None:
+        as_stored = stored is not None and stored.served > 0
+        what = (
+            f"packing the rest of the weights ({fmt})"
+            if as_stored
+            else f"quantizing the weights to {fmt}"
+        )
         try:
-            with progress_note(f"quantizing the weights to {fmt}"):
+            with progress_note(what):
                 quantize_model(cast(nn.Module, net), fmt, ops, torch_dtype, stored)
                 release_freed_memory()
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from exc
+        if stored is not None and as_stored:
+            total = quantized_weights(cast(nn.Module, net))
+            rest = total - stored.served
+            log.info(
+                "weights: %d of %d as the file stores them%s", stored.served, total,
+                f", {rest} quantized to {fmt}" if rest else "",
+            )  # fmt: skip
     try:
         tokenizer = checkpoint.tokenizer()
     except ModelLoadError:

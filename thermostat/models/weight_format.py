@@ -55,6 +55,7 @@ class StoredWeights:
     def __init__(self, grid_of: GridOf) -> None:
         self.grid_of = grid_of
         self.sources: Sources = {}
+        self.served = 0  # weights packed as stored so far
 
     def weight(self, param: str) -> QuantizedWeight | None:
         """Parameter `param` [N, K] as stored, its parts (a fused projection's rows) in row
@@ -84,6 +85,7 @@ class StoredWeights:
         grids = [self.grid_of(name) for _, name in sorted(parts, key=_first_row)]
         if any(g is None for g in grids):
             return None
+        self.served += 1
         return BlockGrid.cat([g for g in grids if g is not None]).packed()
 
 
@@ -185,6 +187,12 @@ def quantize_model(
             as_stored = stored.experts(path, module.num_experts) if stored is not None else None
             module.quantize(fmt, ops, as_stored)
     quantize_linears(model, fmt, ops, skip=(Float32Module, QuantLinear))
+
+
+def quantized_weights(model: nn.Module) -> int:
+    """How many integer weights `model` serves (a tied embedding and LM head's one table once)."""
+    kinds = (QuantLinear, QuantEmbedding)
+    return len({id(m.weight) for m in model.modules() if isinstance(m, kinds)})
 
 
 def weight_bytes(model: nn.Module) -> int:
