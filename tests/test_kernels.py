@@ -158,6 +158,54 @@ def test_long_contexts_split_into_chunks_and_stay_batch_invariant(ops, kv_dtype,
         assert torch.equal(alone, got[i : i + 1]), lens[i]
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("head_dim", [32, 48, 128, 256])
+def test_every_head_dim_matches_the_reference(ops, kv_dtype, head_dim):
+    """bf16 queries over heads of a multiple of 32 run in bf16 pair dot products, other multiples
+    of 16 in floats: both match the reference, across a chunk edge and an odd chunk, and a row
+    alone is the same bits as in the batch."""
+    cache = filled_cache(
+        kv_dtype, torch.bfloat16, num_blocks=40, block_size=16, hkv=2, d=head_dim, with_ops=ops
+    )
+    lens = [300, 1, 17, 513]
+    perm = torch.randperm(40, generator=torch.Generator().manual_seed(6)).tolist()
+    tables = [perm[: (n + 15) // 16] for n in lens]
+    meta = decode_meta(tables, lens, 16)
+    q = torch.randn(len(lens), 8, head_dim, generator=torch.Generator().manual_seed(7)).bfloat16()
+    want = _as_float(cache).decode_attention(q.float(), 0, meta, head_dim**-0.5)
+    storage = cache.layer_storage(0)
+    got = ops.decode_attention(
+        q, *storage, meta.decode_block_tables, meta.decode_context_lens, head_dim**-0.5, 0
+    )
+    close(got, want, torch.bfloat16)
+    alone = ops.decode_attention(
+        q[3:], *storage, meta.decode_block_tables[3:], meta.decode_context_lens[3:],
+        head_dim**-0.5, 0,
+    )  # fmt: skip
+    assert torch.equal(alone, got[3:])
+
+
+def test_every_fp8_value_is_read_exactly(ops):
+    """An fp8 cache's bytes reach the arithmetic unchanged, subnormals and signs included: one
+    token of context with value scale 1 makes the output that token's value row, the bf16 of
+    every e4m3 value but the NaNs (never stored)."""
+    cache = filled_cache(
+        torch.float8_e4m3fn, torch.bfloat16, num_blocks=2, block_size=4, hkv=1, d=256,
+        with_ops=ops,
+    )  # fmt: skip
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes[[0x7F, 0xFF]] = 0
+    _, value, _, value_scale = cache.layer_storage(0)
+    value[1, 0, 0] = codes
+    value_scale[1, 0, 0] = 1.0
+    meta = decode_meta([[1]], [1], 4)
+    q = torch.randn(1, 1, 256, generator=torch.Generator().manual_seed(8)).bfloat16()
+    got = ops.decode_attention(
+        q, *cache.layer_storage(0), meta.decode_block_tables, meta.decode_context_lens, 1 / 16, 0
+    )
+    assert torch.equal(got[0, 0], codes.view(torch.float8_e4m3fn).to(torch.bfloat16))
+
+
 def _as_float(cache: PagedKVCache) -> PagedKVCache:
     """The same cache contents on the PyTorch paths, gathered in float32 (the reference path's
     dequantization)."""

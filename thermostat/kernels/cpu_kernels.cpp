@@ -9,7 +9,8 @@
 //   silu_mul       SwiGLU: silu(gate) * up from the fused [T, 2I] projection
 //   write_kv       new tokens' K/V (views of the qkv output) into their cache slots
 //   decode_attention  one query token per sequence against its paged K/V, read in place through
-//                  the block table (no gather), GQA, sliding window, fp8_e4m3 with token scales
+//                  the block table (no gather), GQA, sliding window, fp8_e4m3 with token scales;
+//                  bf16 queries with head_dim % 32 == 0 in bf16 dot products (attend_pairs)
 //   prefill_attention  a chunk of one sequence's new tokens, causal over its paged bf16 K/V read
 //                  in place: online softmax over key tiles (prefill_attention.h)
 //   linear_vnni    y = x W^T + b in bf16, W packed once (pack_vnni): AMX tiles where the CPU has
@@ -197,13 +198,189 @@ struct AttentionScratch {  // one thread's, reused across items
   std::vector<float> scores;  // [group][kChunkTokens]
   int64_t slots[kChunkTokens + kAheadTokens];  // the item's tokens' cache slots (ChunkReader)
   std::vector<__m512> qv, acc;
+  std::vector<c10::BFloat16> weights, stage;  // attend_pairs: [group][kChunkTokens], fp8 rows
+  std::vector<uint32_t> vpairs;               // attend_pairs: [kChunkTokens / 2][D]
 };
+
+// ---------------------------------------------------------------- decode attention, bf16 pairs
+//
+// A bf16 query over bf16 or fp8_e4m3 K/V whose head_dim is a multiple of 32 (attend_pairs): the
+// scores and P V in bf16 dot products (vdpbf16ps: exact products, float sums), as the prefill
+// kernel computes them. Scores: per 16 keys, each key's dot product as a vector of pair sums,
+// the 16 reduced at once (sum16). Weights exp(s - m) (times an fp8 row's value scale) are rounded
+// to bf16, as PyTorch's flash attention rounds them, and two keys' values are interleaved once
+// per chunk so that one instruction adds both keys' weighted values. An fp8 row is turned into
+// bf16 exactly (every e4m3 value is a bf16 value); its scale multiplies the score or the weight.
+
+// The 16 sums of v[0..15]'s lanes, in key order: a transpose tree of adds (halves, quarters,
+// pairs), then one permutation.
+inline __m512 sum16(const __m512 (&v)[16]) {
+  __m512 t[8], u[4], r[2];
+  for (int p = 0; p < 8; ++p) {  // lanes 0-7: v[2p]'s halves added; 8-15: v[2p + 1]'s
+    t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xEE));
+  }
+  for (int p = 0; p < 4; ++p) {  // 128-bit lane k: key 4p + k's four partial sums
+    u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * p], t[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(t[2 * p], t[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  for (int p = 0; p < 2; ++p) {
+    r[p] = _mm512_add_ps(_mm512_unpacklo_ps(u[2 * p], u[2 * p + 1]),
+                         _mm512_unpackhi_ps(u[2 * p], u[2 * p + 1]));
+  }
+  const __m512 f = _mm512_add_ps(_mm512_unpacklo_ps(r[0], r[1]), _mm512_unpackhi_ps(r[0], r[1]));
+  // lane 4L + e of f holds key L, 8 + L, 4 + L, 12 + L for e = 0, 1, 2, 3
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 13, 9, 5, 1, 14, 10, 6, 2, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, f);
+}
+
+// 32 float8_e4m3fn bytes as 32 bf16, exactly. A normal byte (exponent e > 0) keeps its sign,
+// exponent and mantissa bits: bf16 exponent e - 7 + 127 (bias 7 -> 127), the 3 mantissa bits on
+// top of bf16's 7. A subnormal one (e = 0: m 2^-9) is normal in bf16: one of 8 values by m.
+inline __m512i fp8_bf16(const uint8_t* p) {
+  const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i magnitude = _mm512_and_si512(x, _mm512_set1_epi16(0x7F));
+  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 4), _mm512_set1_epi16(120 << 7));
+  const __m512i subnormals = _mm512_set_epi16(
+      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+      0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0);  // m 2^-9, m = 0 .. 7
+  const __mmask32 tiny = _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(8));
+  const __m512i bits = _mm512_mask_permutexvar_epi16(normal, tiny, magnitude, subnormals);
+  return _mm512_or_si512(bits, _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8));
+}
+
+// Token i's K or V row of a chunk as bf16: in place, or an fp8 row turned into bf16 in `stage`;
+// its fp8 scale (1 otherwise) into `scale`.
+template <typename C>
+inline const c10::BFloat16* pair_row(const ChunkReader<c10::BFloat16, C>& chunk, bool keys,
+                                     int64_t i, int64_t D, float& scale, c10::BFloat16* stage) {
+  const C* row = chunk.row(keys, i, scale);
+  if constexpr (std::is_same_v<C, c10::BFloat16>) {
+    return row;
+  } else {
+    for (int64_t c = 0; c < D; c += 2 * kLanes) _mm512_storeu_si512(stage + c, fp8_bf16(row + c));
+    return stage;
+  }
+}
+
+template <int DP, typename C>  // DP = D / 32
+void attend_pairs(const AttentionArgs<c10::BFloat16, C>& a, AttentionPlan& plan, int64_t item,
+                  AttentionScratch& s) {
+  constexpr int64_t D = DP * 32;
+  const ChunkReader<c10::BFloat16, C> chunk(a, plan, item, s.slots);
+  const int64_t group = a.Hq / a.Hkv, b = chunk.b, h = chunk.h, n = chunk.n;
+  const int64_t pairs = (n + 1) / 2;
+  s.scores.resize(group * kChunkTokens);
+  s.weights.resize(group * kChunkTokens);
+  s.stage.resize(kLanes * D);
+  s.vpairs.resize(kChunkTokens / 2 * D);
+  float* scores = s.scores.data();
+  // scores = scale q . k (x the key's fp8 scale), 16 keys at a time
+  for (int64_t i0 = 0; i0 < n; i0 += kLanes) {
+    const c10::BFloat16* rows[kLanes];
+    alignas(64) float ks[kLanes];
+    for (int64_t j = 0; j < kLanes; ++j) {
+      if (i0 + j < n) {
+        rows[j] = pair_row(chunk, true, i0 + j, D, ks[j], s.stage.data() + j * D);
+      } else {
+        rows[j] = rows[0], ks[j] = 0.0f;  // past the chunk: a score of 0, never used
+      }
+    }
+    const __m512 kscale = _mm512_mul_ps(_mm512_load_ps(ks), _mm512_set1_ps(a.scale));
+    for (int64_t g = 0; g < group; ++g) {
+      const c10::BFloat16* q = a.q + b * a.q_row + (h * group + g) * a.q_head;
+      __m512bh qv[DP];
+      for (int p = 0; p < DP; ++p) qv[p] = (__m512bh)_mm512_loadu_si512(q + 32 * p);
+      __m512 dots[kLanes];
+      for (int64_t j = 0; j < kLanes; ++j) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int p = 0; p < DP; ++p) {
+          acc = _mm512_dpbf16_ps(acc, qv[p], (__m512bh)_mm512_loadu_si512(rows[j] + 32 * p));
+        }
+        dots[j] = acc;
+      }
+      _mm512_storeu_ps(scores + g * kChunkTokens + i0, _mm512_mul_ps(sum16(dots), kscale));
+    }
+  }
+  // values: keys (2p, 2p + 1)'s interleaved, dims in the paired order (dword lane l of a 16 holds
+  // dim 8 (l / 4) + l % 4, of the next 16 dim 8 (l / 4) + 4 + l % 4); their fp8 scales
+  alignas(64) float vs[kChunkTokens + 2 * kLanes];
+  for (int64_t p = 0; p < pairs; ++p) {
+    const c10::BFloat16* r0 = pair_row(chunk, false, 2 * p, D, vs[2 * p], s.stage.data());
+    const c10::BFloat16* r1 = r0;
+    vs[2 * p + 1] = 0.0f;  // an odd chunk's last pair: a second key of weight 0
+    if (2 * p + 1 < n) r1 = pair_row(chunk, false, 2 * p + 1, D, vs[2 * p + 1], s.stage.data() + D);
+    uint32_t* out = s.vpairs.data() + p * D;
+    for (int c = 0; c < DP; ++c) {
+      const __m512i x = _mm512_loadu_si512(r0 + 32 * c), y = _mm512_loadu_si512(r1 + 32 * c);
+      _mm512_storeu_si512(out + 32 * c, _mm512_unpacklo_epi16(x, y));
+      _mm512_storeu_si512(out + 32 * c + 16, _mm512_unpackhi_epi16(x, y));
+    }
+  }
+  for (int64_t i = 2 * pairs; i < 2 * pairs + 2 * kLanes; ++i) vs[i] = 0.0f;
+  float* part = plan.parts.data() + item * group * (D + 2);  // [g][m, l, acc...]
+  const __m512i lo_dims = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i hi_dims = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * kChunkTokens;
+    const auto [m, l] = exp_shifted(sg, n);
+    part[g * (D + 2)] = m;
+    part[g * (D + 2) + 1] = l;
+    // the weights exp(s - m) x the value scale, in bf16: pairs of keys as one dword
+    c10::BFloat16* w = s.weights.data() + g * kChunkTokens;
+    for (int64_t i = 0; i < 2 * pairs; i += 2 * kLanes) {
+      const __mmask16 m0 = i < n ? (n - i >= kLanes ? 0xFFFF : (1u << (n - i)) - 1) : 0;
+      const __mmask16 m1 = i + kLanes < n ? (n - i - kLanes >= kLanes ? 0xFFFF : (1u << (n - i - kLanes)) - 1) : 0;
+      const __m512 w0 = _mm512_mul_ps(_mm512_maskz_loadu_ps(m0, sg + i), _mm512_loadu_ps(vs + i));
+      const __m512 w1 = _mm512_mul_ps(_mm512_maskz_loadu_ps(m1, sg + i + kLanes), _mm512_loadu_ps(vs + i + kLanes));
+      _mm512_storeu_si512(w + i, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+    }
+    __m512 acc[2 * DP];
+    for (auto& x : acc) x = _mm512_setzero_ps();
+    const auto* wp = reinterpret_cast<const int32_t*>(w);
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m512bh pw = (__m512bh)_mm512_set1_epi32(wp[p]);
+      const uint32_t* vp = s.vpairs.data() + p * D;
+      for (int c = 0; c < 2 * DP; ++c) {
+        acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)_mm512_loadu_si512(vp + 16 * c), pw);
+      }
+    }
+    const bool whole = chunk.chunks == 1;  // normalized here, as merge_chunks would (the same bits)
+    const __m512 inv = _mm512_set1_ps(whole ? 1.0f / l : 1.0f);
+    c10::BFloat16* orow = a.out + (b * a.Hq + h * group + g) * D;
+    for (int c = 0; c < DP; ++c) {
+      const __m512 x = _mm512_permutex2var_ps(acc[2 * c], lo_dims, acc[2 * c + 1]);
+      const __m512 y = _mm512_permutex2var_ps(acc[2 * c], hi_dims, acc[2 * c + 1]);
+      if (whole) {
+        store16(orow + 32 * c, _mm512_mul_ps(x, inv));
+        store16(orow + 32 * c + kLanes, _mm512_mul_ps(y, inv));
+      } else {
+        _mm512_storeu_ps(part + g * (D + 2) + 2 + 32 * c, x);
+        _mm512_storeu_ps(part + g * (D + 2) + 2 + 32 * c + kLanes, y);
+      }
+    }
+  }
+}
 
 // Item `item` of the plan: for each query head g of its KV head's group, the chunk's max score m,
 // l = sum exp(s - m) and sum exp(s - m) v, into the plan's parts.
 template <typename T, typename C>
 void attend_chunk(const AttentionArgs<T, C>& a, AttentionPlan& plan, int64_t item,
                   AttentionScratch& s) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> &&
+                (std::is_same_v<C, c10::BFloat16> || std::is_same_v<C, uint8_t>)) {
+    switch (a.D) {
+      case 32: return attend_pairs<1>(a, plan, item, s);
+      case 64: return attend_pairs<2>(a, plan, item, s);
+      case 96: return attend_pairs<3>(a, plan, item, s);
+      case 128: return attend_pairs<4>(a, plan, item, s);
+      case 160: return attend_pairs<5>(a, plan, item, s);
+      case 192: return attend_pairs<6>(a, plan, item, s);
+      case 224: return attend_pairs<7>(a, plan, item, s);
+      case 256: return attend_pairs<8>(a, plan, item, s);
+      default: break;  // D % 32 == 16: the float path below
+    }
+  }
   const ChunkReader<T, C> chunk(a, plan, item, s.slots);
   const int64_t group = a.Hq / a.Hkv, D = a.D, dv = D / kLanes, b = chunk.b, h = chunk.h, n = chunk.n;
   s.qv.resize(group * dv);
