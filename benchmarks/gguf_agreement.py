@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -35,7 +36,7 @@ sys.path.insert(0, str(PEERS_SCRIPTS))
 from bench_llamacpp import BIN_DIR, free_port, wait_ready  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import Table, record  # noqa: E402
+from results import Table, record, show  # noqa: E402
 
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -80,18 +81,35 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.kill()
 
 
-def llama_run(url: str, ids: list[int], n: int, top: int) -> list[dict[str, float]]:
-    """Per generated position: {token text: logprob} of llama-server's top `top`, the chosen
-    token first."""
+def llama_positions(url: str, ids: list[int], n: int, top: int) -> list[dict]:
+    """llama-server's generated positions as it lists them: token, id, logprob, top_logprobs."""
     body = {"prompt": ids, "n_predict": n, "temperature": 0, "n_probs": top,
             "post_sampling_probs": False, "cache_prompt": False}  # fmt: skip
     r = httpx.post(f"{url}/completion", json=body, timeout=600).json()
+    return list(r["completion_probabilities"])
+
+
+def ranked(positions: list[dict]) -> list[dict[str, float]]:
+    """Per position: {token text: logprob} of the listed top tokens, the chosen token first."""
     out = []
-    for position in r["completion_probabilities"]:
+    for position in positions:
         listed = position.get("top_logprobs") or position.get("probs") or []
-        ranked = {t["token"]: float(t["logprob"]) for t in listed}
-        out.append({position["token"]: ranked.get(position["token"], 0.0)} | ranked)
+        top = {t["token"]: float(t["logprob"]) for t in listed}
+        out.append({position["token"]: top.get(position["token"], 0.0)} | top)
     return out
+
+
+def token_ids(positions: list[dict]) -> list[dict[str, int]]:
+    """Per position: {token text: id} of the chosen and listed tokens."""
+    out = []
+    for position in positions:
+        listed = position.get("top_logprobs") or position.get("probs") or []
+        out.append({position["token"]: position["id"]} | {t["token"]: t["id"] for t in listed})
+    return out
+
+
+def llama_run(url: str, ids: list[int], n: int, top: int) -> list[dict[str, float]]:
+    return ranked(llama_positions(url, ids, n, top))
 
 
 def prompt_ids(url: str, messages: list[dict]) -> list[int]:
@@ -128,6 +146,34 @@ def compare(theirs: list[dict[str, float]], mine: list[dict[str, float]], margin
     return min(len(theirs), len(mine)), len(theirs) == len(mine), worst
 
 
+def exact_distances(gguf: str, runs: list[dict]) -> dict[str, list[float]]:
+    """|logprob - exact logprob| of llama-server and the second server, over the tokens both list
+    at each compared position. Exact: transformers' float32 forward over the file's weights
+    dequantized (no activation quantization, float32 attention and KV), teacher-forced on
+    llama-server's tokens: how far each server's arithmetic is from the file's own values."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = Path(gguf)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    out: dict[str, list[float]] = {"llama-server": [], "second": []}
+    for run in runs:
+        ids, positions = run["ids"], run["positions"]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + [p["id"] for p in positions]])).logits[0]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        for i, names in enumerate(token_ids(positions)[: run["compared"]]):
+            theirs, mine = run["theirs"][i], run["mine"][i]
+            for text, token in names.items():
+                if text in theirs and text in mine:
+                    exact = logprobs[len(ids) - 1 + i, token].item()
+                    out["llama-server"].append(abs(theirs[text] - exact))
+                    out["second"].append(abs(mine[text] - exact))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--thermostat", required=True)
@@ -143,6 +189,12 @@ def main() -> None:
         default="thermostat",
         help="the second server: thermostat, or llama-server itself with --extra's flags "
         "(its own agreement across its settings: the noise floor of this measure)",
+    )
+    ap.add_argument(
+        "--exact",
+        action="store_true",
+        help="also each server's distance to the file's exact values (transformers, float32, "
+        "the weights dequantized): the noise each server's own arithmetic adds",
     )
     a = ap.parse_args()
     procs = []
@@ -170,10 +222,14 @@ def main() -> None:
         for text in PROMPTS:
             messages = [{"role": "user", "content": text}]
             ids = prompt_ids(llama_url, messages)
-            theirs = llama_run(llama_url, ids, a.tokens, a.top)
+            positions = llama_positions(llama_url, ids, a.tokens, a.top)
+            theirs = ranked(positions)
             mine = second(ours_url, ids, a.tokens, a.top)
             compared, agree, worst = compare(theirs, mine, a.margin)
-            rows.append({"prompt": text, "compared": compared, "agree": agree, "worst": worst})
+            rows.append({
+                "prompt": text, "compared": compared, "agree": agree, "worst": worst,
+                "ids": ids, "positions": positions, "theirs": theirs, "mine": mine,
+            })  # fmt: skip
             print(f"{'same' if agree else 'DIFF'}  {compared:3d} tokens  max |dlogprob| "
                   f"{worst:.4f}  {text[:50]}")  # fmt: skip
         agree, worst = sum(r["agree"] for r in rows), max(r["worst"] for r in rows)
@@ -195,15 +251,29 @@ def main() -> None:
             [[r["prompt"], r["compared"], "same" if r["agree"] else "DIFF", round(r["worst"], 4)]
              for r in rows],
         )  # fmt: skip
-        record(
-            "gguf_agreement",
-            "Does Thermostat serve a GGUF file as llama.cpp does? The same file through "
-            "llama-server and a second server, greedy",
-            [summary, per_prompt],
-            threads=a.threads,
-        )
+        tables = [summary, per_prompt]
     finally:
         stop(procs)
+    if a.exact:
+        distances = exact_distances(a.gguf, rows)
+        table = Table(
+            "distance to the exact values (transformers, float32, the file's weights dequantized, "
+            "teacher-forced on llama-server's tokens), over the tokens both servers list at each "
+            "compared position",
+            ["server", "logprobs", "median |d| (nats)", "90th percentile", "largest"],
+            [[name if name == "llama-server" else f"{a.versus} {a.extra}".strip(), len(d),
+              round(statistics.median(d), 4), round(sorted(d)[int(0.9 * (len(d) - 1))], 4),
+              round(max(d), 4)] for name, d in distances.items()],
+        )  # fmt: skip
+        show(table)
+        tables.append(table)
+    record(
+        "gguf_agreement",
+        "Does Thermostat serve a GGUF file as llama.cpp does? The same file through "
+        "llama-server and a second server, greedy",
+        tables,
+        threads=a.threads,
+    )
 
 
 if __name__ == "__main__":
