@@ -28,7 +28,7 @@ sys.path.insert(0, str(PEERS_SCRIPTS))
 from bench_llamacpp import BIN_DIR  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gguf_agreement import start, stop  # noqa: E402
+from gguf_agreement import listed, start, stop  # noqa: E402
 from results import Table, record  # noqa: E402
 
 
@@ -37,8 +37,7 @@ def llama_top(url: str, ids: list[int], top: int) -> dict[str, float]:
             "post_sampling_probs": False, "cache_prompt": False}  # fmt: skip
     r = httpx.post(f"{url}/completion", json=body, timeout=120).json()
     first = r["completion_probabilities"][0]
-    listed = first.get("top_logprobs") or first.get("probs") or []
-    return {t["token"]: float(t["logprob"]) for t in listed}
+    return {t["token"]: float(t["logprob"]) for t in listed(first)}
 
 
 def thermostat_top(url: str, ids: list[int], top: int) -> dict[str, float]:

@@ -89,23 +89,26 @@ def llama_positions(url: str, ids: list[int], n: int, top: int) -> list[dict]:
     return list(r["completion_probabilities"])
 
 
+def listed(position: dict) -> list[dict]:
+    """A position's top tokens as llama-server lists them (the key differs across versions)."""
+    return list(position.get("top_logprobs") or position.get("probs") or [])
+
+
 def ranked(positions: list[dict]) -> list[dict[str, float]]:
     """Per position: {token text: logprob} of the listed top tokens, the chosen token first."""
     out = []
     for position in positions:
-        listed = position.get("top_logprobs") or position.get("probs") or []
-        top = {t["token"]: float(t["logprob"]) for t in listed}
+        top = {t["token"]: float(t["logprob"]) for t in listed(position)}
         out.append({position["token"]: top.get(position["token"], 0.0)} | top)
     return out
 
 
 def token_ids(positions: list[dict]) -> list[dict[str, int]]:
     """Per position: {token text: id} of the chosen and listed tokens."""
-    out = []
-    for position in positions:
-        listed = position.get("top_logprobs") or position.get("probs") or []
-        out.append({position["token"]: position["id"]} | {t["token"]: t["id"] for t in listed})
-    return out
+    return [
+        {position["token"]: position["id"]} | {t["token"]: t["id"] for t in listed(position)}
+        for position in positions
+    ]
 
 
 def llama_run(url: str, ids: list[int], n: int, top: int) -> list[dict[str, float]]:
