@@ -5,7 +5,7 @@
 # (Playwright drives Debian's Chromium; it downloads no browser; aiohttp is the benchmarks' load
 # client) and build its CPU kernels for this machine (cached per source, torch, flags and CPU
 # under ~/.cache/thermostat/kernels, so no server start compiles; says "off" and succeeds on a CPU
-# without AVX-512 BF16). torch is pinned to the CPU build (2.13.0); nothing here may pull another
+# without AVX2). torch is pinned to the CPU build (2.13.0); nothing here may pull another
 # torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."

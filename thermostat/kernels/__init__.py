@@ -1,6 +1,7 @@
 """Thermostat's CPU kernels (cpu_kernels.cpp), compiled for this machine.
 
-Two builds (`build.py`): on a CPU with AVX-512 BF16/VNNI cpu_kernels.cpp; on one with AVX2 only
+Two builds (`build.py`): on a CPU with AVX-512 and VNNI cpu_kernels.cpp (its bf16 dot products
+emulated where AVX512-BF16 is missing: Intel Cascade and Ice Lake); on one with AVX2 only
 (AMD Zen 2/3, Intel before Ice Lake) avx2_kernels.cpp, the same ops in 8-float registers; both
 compile DecodeStack (decode_stack.h) over their ops. `ops()` is a `CpuOps` of typed calls into the
 build that runs here, or None where none can (no AVX2, no C++ compiler, THERMOSTAT_KERNELS=0 in the
@@ -91,6 +92,11 @@ class LinearOps:
         """Whether `linear_vnni` runs on AMX tiles on this machine (else bf16 dot products)."""
         amx: bool = self.module.uses_amx()
         return amx
+
+    def bf16_hardware(self) -> bool:
+        """Whether bf16 dot products are one instruction here (AVX512-BF16), not emulated."""
+        hardware: bool = self.module.bf16_hardware()
+        return hardware
 
     def linear_quant(
         self,
@@ -237,7 +243,9 @@ def status() -> str:
         return f"off ({_reasons[AVX2]})"
     if FULL in _reasons:  # ops() tried it first
         return f"on (AVX2: {_reasons[FULL]})"
-    return "on (AMX)" if compiled.uses_amx() else "on (no AMX)"
+    if compiled.uses_amx():
+        return "on (AMX)"
+    return "on (no AMX)" if compiled.bf16_hardware() else "on (no AMX, bf16 dot products emulated)"
 
 
 _reasons: dict[Build, str] = {}  # why a build is off, once tried

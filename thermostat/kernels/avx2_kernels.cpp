@@ -1,5 +1,5 @@
-// Thermostat's CPU kernels for CPUs with AVX2 but not AVX-512 BF16/VNNI (AMD Zen 2/3, Intel
-// before Ice Lake): the ops of cpu_kernels.cpp in 8-float registers, on the same layouts
+// Thermostat's CPU kernels for CPUs with AVX2 but not AVX-512 with VNNI (AMD Zen 2/3, Intel
+// before Cascade Lake): the ops of cpu_kernels.cpp in 8-float registers, on the same layouts
 // (common.h), through the same entry points (torch_ops.h), and DecodeStack (decode_stack.h) over
 // them. The ops' contracts are cpu_kernels.cpp's:
 //
@@ -628,5 +628,6 @@ bool amx_permitted() { return false; }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   def_ops(m);
   m.def("uses_amx", &uses_amx, "whether linear_vnni runs on AMX tiles here (never: AVX2)");
+  m.def("bf16_hardware", [] { return false; }, "whether bf16 dot products are one instruction here (never: AVX2)");
   def_decode_stack(m);
 }

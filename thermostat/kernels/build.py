@@ -1,6 +1,6 @@
 """Building the kernels for this machine, cached per distinct build: cpu_kernels.cpp (`FULL`:
-AVX-512 BF16/VNNI) or, on a CPU with AVX2 only, avx2_kernels.cpp (`AVX2`: the same ops in
-8-float registers).
+AVX-512 with VNNI; bf16 dot products in hardware where the CPU has AVX512-BF16, else emulated) or,
+on a CPU with AVX2 only, avx2_kernels.cpp (`AVX2`: the same ops in 8-float registers).
 
 Everything that changes the binary is hashed into one key, and each key has its own directory
 under `cache_root()` ($THERMOSTAT_KERNEL_CACHE, else ~/.cache/thermostat/kernels):
@@ -54,11 +54,13 @@ class Build:
         return b"\0".join([self.source.read_bytes(), *(h.read_bytes() for h in headers)])
 
 
-# AVX-512 BF16/VNNI (AMX where present).
+# AVX-512 with VNNI: Intel from Cascade Lake, AMD from Zen 4. AVX512-BF16 (AMD Zen 4/5, Intel
+# Cooper Lake, Sapphire Rapids on) and AMX are used where present; without AVX512-BF16 (Cascade
+# and Ice Lake, VMs that hide it) its bf16 dot products are emulated (cpu_kernels.cpp).
 FULL = Build(
     "thermostat_cpu_kernels",
     HERE / "cpu_kernels.cpp",
-    ("avx2", "f16c", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"),
+    ("avx2", "f16c", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
     "(AVX-512)",
 )
 # The same ops for CPUs with AVX2 but not FULL's instruction sets.

@@ -64,6 +64,54 @@ inline bool prefetch_weights() {
   return intel;
 }
 
+// ---------------------------------------------------------------- bf16 pairs
+//
+// A 512-bit register of bf16 pairs: dword lane i holds elements 2i (low half) and 2i + 1 (high).
+// With AVX512-BF16 (AMD Zen 4/5, Intel Cooper Lake and Sapphire Rapids on) these are one
+// instruction each. Without it (Intel Skylake-SP to Ice Lake, and VMs that hide the flag) they
+// are emulated with the instruction's arithmetic: the two exact products added to the
+// accumulator one at a time in its order (high, then low), each with one rounding, and rounding
+// to bf16 to nearest-even. The instruction also flushes subnormal inputs and products to zero;
+// the emulation does not (a difference below 2^-126).
+
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Hardware = true;
+
+// acc + a.hi * b.hi + a.lo * b.lo per lane
+inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+// words 0-15: lo's 16 floats, 16-31: hi's, each rounded to bf16
+inline __m512i round_pairs(__m512 hi, __m512 lo) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
+#else
+constexpr bool kBf16Hardware = false;
+
+inline __m512 high_halves(__m512i x) {
+  return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+inline __m512 low_halves(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
+
+inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  acc = _mm512_fmadd_ps(high_halves(a), high_halves(b), acc);
+  return _mm512_fmadd_ps(low_halves(a), low_halves(b), acc);
+}
+
+inline __m256i round16(__m512 x) {  // c10::BFloat16's rounding: to nearest even, NaN kept quiet
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+inline __m512i round_pairs(__m512 hi, __m512 lo) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(round16(lo)), round16(hi), 1);
+}
+#endif
+
 // ---------------------------------------------------------------- 16 elements <-> 16 floats
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -289,13 +337,13 @@ void attend_pairs(const AttentionArgs<c10::BFloat16, C>& a, AttentionPlan& plan,
     const __m512 kscale = _mm512_mul_ps(_mm512_load_ps(ks), _mm512_set1_ps(a.scale));
     for (int64_t g = 0; g < group; ++g) {
       const c10::BFloat16* q = a.q + b * a.q_row + (h * group + g) * a.q_head;
-      __m512bh qv[DP];
-      for (int p = 0; p < DP; ++p) qv[p] = (__m512bh)_mm512_loadu_si512(q + 32 * p);
+      __m512i qv[DP];
+      for (int p = 0; p < DP; ++p) qv[p] = _mm512_loadu_si512(q + 32 * p);
       __m512 dots[kLanes];
       for (int64_t j = 0; j < kLanes; ++j) {
         __m512 acc = _mm512_setzero_ps();
         for (int p = 0; p < DP; ++p) {
-          acc = _mm512_dpbf16_ps(acc, qv[p], (__m512bh)_mm512_loadu_si512(rows[j] + 32 * p));
+          acc = dot_pairs(acc, qv[p], _mm512_loadu_si512(rows[j] + 32 * p));
         }
         dots[j] = acc;
       }
@@ -333,16 +381,16 @@ void attend_pairs(const AttentionArgs<c10::BFloat16, C>& a, AttentionPlan& plan,
       const __mmask16 m1 = i + kLanes < n ? (n - i - kLanes >= kLanes ? 0xFFFF : (1u << (n - i - kLanes)) - 1) : 0;
       const __m512 w0 = _mm512_mul_ps(_mm512_maskz_loadu_ps(m0, sg + i), _mm512_loadu_ps(vs + i));
       const __m512 w1 = _mm512_mul_ps(_mm512_maskz_loadu_ps(m1, sg + i + kLanes), _mm512_loadu_ps(vs + i + kLanes));
-      _mm512_storeu_si512(w + i, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+      _mm512_storeu_si512(w + i, round_pairs(w1, w0));
     }
     __m512 acc[2 * DP];
     for (auto& x : acc) x = _mm512_setzero_ps();
     const auto* wp = reinterpret_cast<const int32_t*>(w);
     for (int64_t p = 0; p < pairs; ++p) {
-      const __m512bh pw = (__m512bh)_mm512_set1_epi32(wp[p]);
+      const __m512i pw = _mm512_set1_epi32(wp[p]);
       const uint32_t* vp = s.vpairs.data() + p * D;
       for (int c = 0; c < 2 * DP; ++c) {
-        acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)_mm512_loadu_si512(vp + 16 * c), pw);
+        acc[c] = dot_pairs(acc[c], _mm512_loadu_si512(vp + 16 * c), pw);
       }
     }
     const bool whole = chunk.chunks == 1;  // normalized here, as merge_chunks would (the same bits)
@@ -500,15 +548,15 @@ inline void bf16_tile(const uint16_t* x, int64_t Kp, const uint16_t* W, int64_t 
   const uint16_t* xr[R];
   for (int r = 0; r < R; ++r) xr[r] = x + (m0 + r) * Kp;
   for (int64_t kp = 0; kp < KS * 16; ++kp) {  // K pairs; tile rows are 64 bytes, consecutive
-    __m512bh w[C];
+    __m512i w[C];
     for (int c = 0; c < C; ++c) {
-      w[c] = (__m512bh)_mm512_loadu_si512(B[c] + kp * 32);
+      w[c] = _mm512_loadu_si512(B[c] + kp * 32);
     }
     for (int r = 0; r < R; ++r) {
       int32_t pair;
       std::memcpy(&pair, xr[r] + 2 * kp, sizeof(pair));
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, w[c]);
+      const __m512i xb = _mm512_set1_epi32(pair);
+      for (int c = 0; c < C; ++c) acc[r][c] = dot_pairs(acc[r][c], xb, w[c]);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -898,5 +946,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal attention of a chunk of one sequence's rows over its paged context",
         py::call_guard<py::gil_scoped_release>());
   m.def("uses_amx", &uses_amx, "whether linear_vnni runs on AMX tiles here");
+  m.def("bf16_hardware", [] { return kBf16Hardware; },
+        "whether bf16 dot products are one instruction here (AVX512-BF16), not emulated");
   def_decode_stack(m);
 }

@@ -56,11 +56,11 @@ inline int64_t paired_dim(int64_t w) {
   return base + lane * 8 + hi * 4 + i % 4;
 }
 
-inline __m512bh bf16_pairs(__m512 even, __m512 odd) {  // lane m: (even[m], odd[m]) in bf16
+inline __m512i bf16_pairs(__m512 even, __m512 odd) {  // lane m: (even[m], odd[m]) in bf16
   static const __m512i order = _mm512_set_epi16(
       31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  return (__m512bh)_mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+  return _mm512_permutexvar_epi16(order, round_pairs(odd, even));
 }
 
 // The bf16 row of cache row `at` (token slot x Hkv + head): in place, or an fp8 row turned into
@@ -119,14 +119,14 @@ void prefill_item(const PrefillArgs<C>& a, int64_t h, int64_t r0, int64_t rows,
       __m512 acc[kKeyStep][kQueryVecs];
       for (auto& row : acc) for (auto& x : row) x = _mm512_setzero_ps();
       for (int64_t p = 0; p < pairs; ++p) {
-        __m512bh qv[kQueryVecs];
+        __m512i qv[kQueryVecs];
         for (int64_t v = 0; v < kQueryVecs; ++v) {
-          qv[v] = (__m512bh)_mm512_loadu_si512(s.qpairs.data() + p * kQueryLanes + v * kLanes);
+          qv[v] = _mm512_loadu_si512(s.qpairs.data() + p * kQueryLanes + v * kLanes);
         }
         for (int64_t j = 0; j < kKeyStep; ++j) {
-          const auto kp = (__m512bh)_mm512_set1_epi32(
+          const __m512i kp = _mm512_set1_epi32(
               static_cast<int>(reinterpret_cast<const uint32_t*>(krow[j0 + j])[p]));
-          for (int64_t v = 0; v < kQueryVecs; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], qv[v], kp);
+          for (int64_t v = 0; v < kQueryVecs; ++v) acc[j][v] = dot_pairs(acc[j][v], qv[v], kp);
         }
       }
       for (int64_t j = 0; j < kKeyStep; ++j) {
@@ -154,7 +154,7 @@ void prefill_item(const PrefillArgs<C>& a, int64_t h, int64_t r0, int64_t rows,
       sum[v] = _mm512_fmadd_ps(sum[v], corr[v], add);
       top[v] = m;
       for (int64_t j = 0; j < kKeyTile; j += 2) {
-        s.p[j / 2][v] = (__m512i)bf16_pairs(s.s[j][v], s.s[j + 1][v]);
+        s.p[j / 2][v] = bf16_pairs(s.s[j][v], s.s[j + 1][v]);
       }
     }
     // values of keys (2j, 2j + 1) interleaved, 32 dims at a time
@@ -177,9 +177,9 @@ void prefill_item(const PrefillArgs<C>& a, int64_t h, int64_t r0, int64_t rows,
       for (int64_t jp = 0; jp < kKeyTile / 2; ++jp) {
         const uint32_t* vp = s.vpairs.data() + jp * D + w0;
         for (int64_t w = 0; w < kValueStep; ++w) {
-          const auto vv = (__m512bh)_mm512_set1_epi32(static_cast<int>(vp[w]));
+          const __m512i vv = _mm512_set1_epi32(static_cast<int>(vp[w]));
           for (int64_t v = 0; v < kQueryVecs; ++v) {
-            acc[w][v] = _mm512_dpbf16_ps(acc[w][v], (__m512bh)s.p[jp][v], vv);
+            acc[w][v] = dot_pairs(acc[w][v], s.p[jp][v], vv);
           }
         }
       }
