@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from thermostat import LLM, SamplingParams, kernels
-from thermostat.kernels.build import AVX2, FULL
+from thermostat.kernels.build import AVX2, FULL, FULL_EMULATED, cpu_flags
 from thermostat.random_model import CONFIGS, write_model
 
 __all__ = [
@@ -27,7 +27,21 @@ __all__ = [
     "write_v3_with_next_n",
 ]
 
-BUILDS = {"avx512": FULL, "avx2": AVX2}  # the kernel builds (thermostat.kernels.build)
+# the kernel builds (thermostat.kernels.build)
+BUILDS = {"avx512": FULL, "avx512-emulated": FULL_EMULATED, "avx2": AVX2}
+
+
+def kernel_build(name: str) -> kernels.CpuOps:
+    """The kernels of build `name`, or the test skipped where that build cannot run here, or
+    where it would only repeat another (avx512-emulated where the CPU lacks AVX512-BF16, so that
+    the avx512 build is emulated already)."""
+    if name == "avx512-emulated" and "avx512_bf16" not in cpu_flags():
+        pytest.skip("the avx512 build emulates bf16 dot products here already")
+    built = kernels.build_ops(BUILDS[name])
+    if built is None:
+        pytest.skip(f"the {name} build does not run here ({kernels.status()})")
+    return built
+
 
 # Every hypothesis test, whatever its own settings leave unsaid: an example's duration and the
 # time to generate data depend on what else the machine runs, so neither is checked.
@@ -48,10 +62,7 @@ def gguf_cache(tmp_path_factory) -> Path:
 def ops(request) -> kernels.CpuOps:
     """Each kernel build this CPU runs (an AVX-512 machine runs the AVX2 build too), for tests
     that hold the kernels to their references; skipped where the build cannot run."""
-    built = kernels.build_ops(BUILDS[request.param])
-    if built is None:
-        pytest.skip(f"the {request.param} build does not run here ({kernels.status()})")
-    return built
+    return kernel_build(request.param)
 
 
 def hf_model(path: Path):

@@ -9,20 +9,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import prompt_logprobs, write_model
+from tests.conftest import kernel_build, prompt_logprobs, write_model
 from thermostat import LLM, SamplingParams, kernels
-from thermostat.kernels.build import FULL
 from thermostat.models.attention import AttentionMetadata, PrefillSegment, paged_attention
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import KVCacheSpec
 
 
-@pytest.fixture(scope="module")
-def ops() -> kernels.CpuOps:
-    """The AVX-512 build, the one with prefill attention (both CPU kinds here have it)."""
-    built = kernels.build_ops(FULL)
-    if built is None:
-        pytest.skip(f"the AVX-512 build does not run here ({kernels.status()})")
+@pytest.fixture(scope="module", params=["avx512", "avx512-emulated"])
+def ops(request) -> kernels.CpuOps:
+    """The AVX-512 build, the one with prefill attention, with its bf16 dot products as the CPU
+    runs them and emulated."""
+    built = kernel_build(request.param)
     assert built.has_prefill_attention
     return built
 

@@ -47,6 +47,7 @@ class Build:
     source: Path
     cpu_flags: tuple[str, ...]
     what: str  # for logs
+    cflags: tuple[str, ...] = ()  # after CFLAGS
 
     def source_bytes(self) -> bytes:
         names = ("common.h", "torch_ops.h", "decode_stack.h", "prefill_attention.h")
@@ -62,6 +63,15 @@ FULL = Build(
     HERE / "cpu_kernels.cpp",
     ("avx2", "f16c", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
     "(AVX-512)",
+)
+# FULL with its bf16 dot products emulated even where the CPU has AVX512-BF16, for the tests: so
+# that the machines which have it (AMD Zen 4/5) test the arithmetic that Cascade and Ice Lake run.
+FULL_EMULATED = Build(
+    "thermostat_cpu_kernels_emulated",
+    FULL.source,
+    FULL.cpu_flags,
+    "(AVX-512, bf16 dot products emulated)",
+    ("-mno-avx512bf16",),
 )
 # The same ops for CPUs with AVX2 but not FULL's instruction sets.
 AVX2 = Build(
@@ -122,7 +132,7 @@ def this_key(build: Build = FULL) -> str:
         build.source_bytes(),
         torch.__version__,
         sys.implementation.cache_tag,
-        CFLAGS + LDFLAGS,
+        CFLAGS + build.cflags + LDFLAGS,
         isa,
     )
 
@@ -147,7 +157,7 @@ def load_or_build(key: str, build: Build = FULL) -> ModuleType:
         built = load(
             name=name,
             sources=[str(build.source)],
-            extra_cflags=list(CFLAGS),
+            extra_cflags=list(CFLAGS + build.cflags),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(build_dir),
             verbose=False,
