@@ -68,7 +68,7 @@ inline bool prefetch_weights() {
 //
 // A 512-bit register of bf16 pairs: dword lane i holds elements 2i (low half) and 2i + 1 (high).
 // With AVX512-BF16 (AMD Zen 4/5, Intel Cooper Lake and Sapphire Rapids on) these are one
-// instruction each. Without it (Intel Skylake-SP to Ice Lake, and VMs that hide the flag) they
+// instruction each. Without it (Intel Cascade Lake and Ice Lake, and VMs that hide the flag) they
 // are emulated with the instruction's arithmetic: the two exact products added to the
 // accumulator one at a time in its order (high, then low), each with one rounding, and rounding
 // to bf16 to nearest-even. The instruction also flushes subnormal inputs and products to zero;
@@ -98,7 +98,7 @@ inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
   return _mm512_fmadd_ps(low_halves(a), low_halves(b), acc);
 }
 
-inline __m256i round16(__m512 x) {  // c10::BFloat16's rounding: to nearest even, NaN kept quiet
+inline __m256i round16(__m512 x) {  // to nearest even; a NaN stays one (quiet, sign and payload kept)
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
