@@ -2,7 +2,7 @@
 
 Two builds (`build.py`): on a CPU with AVX-512 and VNNI cpu_kernels.cpp (its bf16 dot products
 emulated where AVX512-BF16 is missing: Intel Cascade and Ice Lake); on one with AVX2 only
-(AMD Zen 2/3, Intel before Ice Lake) avx2_kernels.cpp, the same ops in 8-float registers; both
+(AMD Zen 2/3, Intel before Cascade Lake) avx2_kernels.cpp, the same ops in 8-float registers; both
 compile DecodeStack (decode_stack.h) over their ops. `ops()` is a `CpuOps` of typed calls into the
 build that runs here, or None where none can (no AVX2, no C++ compiler, THERMOSTAT_KERNELS=0 in the
 environment). The loader calls it once (`load_model(cpu_kernels=...)`) and hands the result to

@@ -64,6 +64,49 @@ inline bool prefetch_weights() {
   return intel;
 }
 
+// ---------------------------------------------------------------- 16 elements <-> 16 floats
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// float8_e4m3fn bytes. Moving the sign to bit 15 and exponent+mantissa to bits 7..14 gives the
+// float16 whose value is the fp8 value times 2^-8 (subnormals included; NaN is never stored).
+inline __m512 load16(const uint8_t* p) {
+  __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+  __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7);
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, rest)), _mm512_set1_ps(256.0f));
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
+// 16 floats -> 16 bf16, rounded to nearest even as c10::BFloat16(float) rounds (a NaN: 0x7FC0)
+inline __m256i bf16_bits(__m512 v) {
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(v));
+}
+
+inline void store16(c10::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
 // ---------------------------------------------------------------- bf16 pairs
 //
 // A 512-bit register of bf16 pairs: dword lane i holds elements 2i (low half) and 2i + 1 (high).
@@ -71,8 +114,8 @@ inline bool prefetch_weights() {
 // instruction each. Without it (Intel Cascade Lake and Ice Lake, and VMs that hide the flag) they
 // are emulated with the instruction's arithmetic: the two exact products added to the
 // accumulator one at a time in its order (high, then low), each with one rounding, and rounding
-// to bf16 to nearest-even. The instruction also flushes subnormal inputs and products to zero;
-// the emulation does not (a difference below 2^-126).
+// to bf16 to nearest-even (store16's). The instruction also flushes subnormal inputs and products
+// to zero, and keeps a NaN's payload; the emulation does neither (below 2^-126, or a NaN still).
 
 #if defined(__AVX512BF16__)
 constexpr bool kBf16Hardware = true;
@@ -98,59 +141,10 @@ inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
   return _mm512_fmadd_ps(low_halves(a), low_halves(b), acc);
 }
 
-inline __m256i round16(__m512 x) {  // to nearest even; a NaN stays one (quiet, sign and payload kept)
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-  return _mm512_cvtepi32_epi16(r);
-}
-
 inline __m512i round_pairs(__m512 hi, __m512 lo) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(round16(lo)), round16(hi), 1);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(bf16_bits(lo)), bf16_bits(hi), 1);
 }
 #endif
-
-// ---------------------------------------------------------------- 16 elements <-> 16 floats
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-inline __m512 load16(const c10::BFloat16* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// float8_e4m3fn bytes. Moving the sign to bit 15 and exponent+mantissa to bits 7..14 gives the
-// float16 whose value is the fp8 value times 2^-8 (subnormals included; NaN is never stored).
-inline __m512 load16(const uint8_t* p) {
-  __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
-  __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7);
-  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, rest)), _mm512_set1_ps(256.0f));
-}
-
-inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-
-inline void store16(c10::BFloat16* p, __m512 v) {
-  // round to nearest even, as c10::BFloat16(float) does
-  __m512i bits = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC00000));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-}
-
-inline void store16(c10::Half* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
 
 // exp(x): 2^(x log2 e) split into an integer power (scalef) and a degree-7 Taylor polynomial of
 // 2^f on [-0.5, 0.5] (relative error < 1e-8, below float rounding). Inputs below -104 give 0 and
