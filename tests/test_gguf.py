@@ -233,6 +233,36 @@ def q8_0_rows(reader: gguf.GGUFReader, name: str) -> tuple[torch.Tensor, torch.T
     return torch.from_numpy(np.ascontiguousarray(q)), torch.from_numpy(np.ascontiguousarray(d))
 
 
+def test_the_header_reads_as_ggufs_own_reader_reads_it(q8_0, tmp_path):
+    """read_header's one-pass arrays (strings, numbers, an empty one) give every field's
+    contents, types and offset and every tensor as gguf's GGUFReader does."""
+    path = tmp_path / "arrays.gguf"
+    shutil.copy(q8_0[0], path)
+    writer = gguf.GGUFWriter(tmp_path / "extra.gguf", "llama")
+    writer.add_array("test.scores", [0.5, -1.25, 3.0])
+    writer.add_array("test.empty", [])
+    writer.add_array("test.words", ["a", "", "ünï"])
+    writer.add_uint32("test.number", 7)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    for file in (path, tmp_path / "extra.gguf"):
+        ours, theirs = gguf_reading.read_header(file), gguf.GGUFReader(file)
+        assert list(ours.fields) == list(theirs.fields)
+        for name, field in theirs.fields.items():
+            mine = ours.fields[name]
+            assert (mine.offset, mine.types) == (field.offset, field.types), name
+            want = field.contents()
+            got = mine.contents()
+            assert np.array_equal(got, want) if isinstance(want, np.ndarray) else got == want, name
+            if field.types[0] == gguf.GGUFValueType.ARRAY and field.data:
+                assert mine.contents(-1) == field.contents(-1), name
+        assert [(t.name, t.data_offset, t.shape.tolist()) for t in ours.tensors] == [
+            (t.name, t.data_offset, t.shape.tolist()) for t in theirs.tensors
+        ]
+    assert ours.fields["test.words"].contents() == ["a", "", "ünï"]
+
+
 def test_q8_0_is_served_in_int8_with_the_files_integers_and_scales(q8_0):
     path, _, _ = q8_0
     loaded = load_model(path)
