@@ -10,6 +10,8 @@ import logging
 import math
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -346,29 +348,60 @@ def test_the_files_config_and_tokenizer_are_converted_once_then_read_back(
     converted = []  # transformers reading the file itself (gguf_file=...)
     for auto in (gguf_reading.AutoConfig, gguf_reading.AutoTokenizer):
         real = auto.from_pretrained
-        monkeypatch.setattr(
-            auto,
-            "from_pretrained",
-            lambda *a, real=real, **k: converted.extend(k.get("gguf_file", [])) or real(*a, **k),
-        )
 
-    def opened() -> tuple[dict, list[int], str | None]:
+        def counted(*args, real=real, **kwargs):
+            converted.extend([kwargs["gguf_file"]] if "gguf_file" in kwargs else [])
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(auto, "from_pretrained", counted)
+
+    real_names = GGUFCheckpoint._hf_names  # transformers' model built for the tensor names
+    monkeypatch.setattr(
+        GGUFCheckpoint, "_hf_names", lambda self: converted.append("names") or real_names(self)
+    )
+
+    def opened() -> tuple[dict, list[int], str | None, list[str]]:
         checkpoint = GGUFCheckpoint.open(copy)
         tokenizer = checkpoint.tokenizer()
         text = "the age of wisdom"
-        return checkpoint.config_dict, tokenizer.encode(text), tokenizer.chat_template
+        names = [name for name, _ in checkpoint.tensors()]
+        return checkpoint.config_dict, tokenizer.encode(text), tokenizer.chat_template, names
 
     first = opened()
-    assert converted and [p.name for p in (tmp_path / "cache").iterdir()] != []
+    assert sorted(converted) == ["names", copy.name, copy.name]
+    assert [p.name for p in (tmp_path / "cache").iterdir()] != []
+    assert "model.layers.0.self_attn.q_proj.weight" in first[3]
     converted.clear()
     assert opened() == first and converted == []  # read back, the same
     assert first[0]["_name_or_path"] == str(copy.parent)  # the file's folder, not the cache's
+    (saved,) = (tmp_path / "cache").glob("*/tensor_names.json")
+    saved.write_text(saved.read_text().replace(gguf_reading.GGUF_VERSION, "0.0.1"))
+    assert opened() == first and converted == ["names"]  # made by another gguf: made again
     copy.touch()  # a changed file is converted again
-    assert opened() == first and converted
+    assert opened() == first and len(converted) == 4
     (tmp_path / "blocked").write_text("a file where the cache folder would be")
     monkeypatch.setenv("THERMOSTAT_GGUF_CACHE", str(tmp_path / "blocked"))
-    assert opened() == first  # served all the same, with a warning
+    assert opened() == first  # served all the same, with warnings
     assert "cannot cache its config" in caplog.text
+    assert "cannot cache its tensor names" in caplog.text
+
+
+def test_a_cached_file_loads_without_transformers_modeling_code(q8_0):
+    """Once its conversions are cached, a file loads without importing transformers'
+    modeling_utils (its import alone took 1.4 s of a 6 s start): the names come from the cache,
+    the model is built with torch's initializers skipped by the loader itself."""
+    path = q8_0[0]
+    list(GGUFCheckpoint.open(path).tensors())  # the cache filled
+    script = (
+        "import sys\n"
+        "from thermostat.engine.loader import load_model\n"
+        f"load_model({str(path)!r})\n"
+        "print(sorted(m for m in sys.modules if m.startswith('transformers.modeling_utils')))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert run.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_q4_0_is_served_in_int4_on_the_files_grid(q8_0, tmp_path):

@@ -63,7 +63,12 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from thermostat.models.gguf_blocks import EXACT_TYPES, BlockGrid, dequantized
-from thermostat.models.gguf_reading import cached_config, cached_tokenizer, read_header
+from thermostat.models.gguf_reading import (
+    cached_config,
+    cached_names,
+    cached_tokenizer,
+    read_header,
+)
 
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 # the GGML types served with a 4-bit body (the others with an int8 one: gguf_blocks' table)
@@ -177,7 +182,7 @@ class GGUFCheckpoint:
         experts tensor [E, ...] as one tensor per expert. A quantized tensor's blocks are read
         once (BlockGrid) and its floats made from them; `grids`: kept for `grid`. ValueError
         naming a tensor the model has no name for."""
-        names = self._hf_names()
+        names = cached_names(self.path, self._hf_names)
         heads = {
             "attn_q": self.config.num_attention_heads,
             "attn_k": getattr(self.config, "num_key_value_heads", None)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
+import json
 import logging
 import os
 import shutil
@@ -30,6 +32,7 @@ from gguf import GGUFReader, GGUFValueType
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 log = logging.getLogger("thermostat")
+GGUF_VERSION = importlib.metadata.version("gguf")
 Saved = TypeVar("Saved", PretrainedConfig, PreTrainedTokenizerBase)
 
 
@@ -128,6 +131,29 @@ def cached_tokenizer(path: Path) -> PreTrainedTokenizerBase:
         lambda: AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name),
         AutoTokenizer.from_pretrained,
     )
+
+
+def cached_names(path: Path, compute: Callable[[], dict[str, str]]) -> dict[str, str]:
+    """The file's GGUF -> Hugging Face tensor names (`compute`: through transformers' model for
+    its config, which imports its modeling code: 1.5-2 s), kept as JSON in the file's entry with
+    gguf's version (its name map made them)."""
+    folder = _folder(path)
+    saved = folder / "tensor_names.json"
+    try:
+        entry = json.loads(saved.read_text())
+        if entry.get("gguf") == GGUF_VERSION:
+            return dict(entry["names"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # none yet, or damaged: made again below
+    names = compute()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".json", delete=False) as out:
+            json.dump({"gguf": GGUF_VERSION, "names": names}, out)
+        os.replace(out.name, saved)
+    except OSError as exc:
+        log.warning("%s: cannot cache its tensor names under %s (%s)", path, folder, exc)
+    return names
 
 
 def _cached(
