@@ -125,9 +125,9 @@ class BlockGrid:
     def dequantize(self) -> torch.Tensor:
         """The weight in float32, d q + m: the values gguf's `dequantize` gives (a product and a
         sum, each rounded once, as its own)."""
-        d = self.d.repeat_interleave(16, dim=1)[:, : self.q.shape[1]]
-        m = self.m.repeat_interleave(32, dim=1)[:, : self.q.shape[1]]
-        return self.q.float().mul_(d).add_(m)
+        rows, k = self.q.shape
+        w = self.q.view(rows, k // 16, 16).float().mul_(self.d.unsqueeze(-1))
+        return w.view(rows, k // 32, 32).add_(self.m.unsqueeze(-1)).view(rows, k)
 
     def packed(self) -> QuantizedWeight:
         """The kernels' records in the narrowest format holding every row exactly (the table)."""
