@@ -2,7 +2,7 @@
 alternating: did a change make the engine faster?
 
     .venv/bin/python benchmarks/bench_revisions.py BASE [HEAD] [--formats bf16 int8]
-        [--batches 1 32] [--repeats 8]
+        [--batches 1 32] [--repeats 8] [--kv-cache-dtype fp8_e4m3]
 
 BASE and HEAD are git revisions (HEAD defaults to the working tree, uncommitted changes
 included); each is checked out in a temporary git work tree, imported by a child process of its
@@ -41,9 +41,10 @@ import thermostat
 from bench_http import prompts
 from thermostat import LLM, SamplingParams
 assert thermostat.__file__.startswith(sys.argv[1]), thermostat.__file__
-model, formats = sys.argv[2], sys.argv[3].split(",")
+model, formats, kv_cache_dtype = sys.argv[2], sys.argv[3].split(","), sys.argv[5]
 llms = {f: LLM(model, dtype="bfloat16", num_threads=2, max_num_seqs=64,
-               enable_prefix_caching=False, quantization=None if f == "bf16" else f)
+               enable_prefix_caching=False, quantization=None if f == "bf16" else f,
+               kv_cache_dtype=kv_cache_dtype)
         for f in formats}
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:  # "FORMAT BATCH SEED"
@@ -84,6 +85,7 @@ def main() -> None:
     p.add_argument("--formats", nargs="+", default=["bf16"], choices=["bf16", "int8", "int4"])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
     args = p.parse_args()
     import torch
 
@@ -98,7 +100,7 @@ def main() -> None:
         children = {}
         for side, tree in sides.items():
             command = [sys.executable, "-c", CHILD, str(tree), str(model), ",".join(args.formats),
-                       str(REPO / "benchmarks")]  # fmt: skip
+                       str(REPO / "benchmarks"), args.kv_cache_dtype]  # fmt: skip
             child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env=env, cwd=tmp)  # fmt: skip
             stack.callback(child.kill)
@@ -120,7 +122,8 @@ def main() -> None:
                         runs.setdefault((side, fmt, batch), []).append(tok_s)
                     ratio = runs[("head", fmt, batch)][-1] / runs[("base", fmt, batch)][-1]
                     console.print(f"repeat {repeat} {fmt} batch {batch}: head / base {ratio:.3f}")
-    table = Table(title=f"decode tok/s, {args.base} vs {args.head or 'working tree'}, "
+    kv = "" if args.kv_cache_dtype == "auto" else f", KV cache {args.kv_cache_dtype}"
+    table = Table(title=f"decode tok/s, {args.base} vs {args.head or 'working tree'}{kv}, "
                   f"{args.repeats} alternating repetitions")  # fmt: skip
     for column in ("format", "batch", "base", "head", "head / base", "per repetition"):
         table.add_column(column, justify="left" if column == "per repetition" else "right")

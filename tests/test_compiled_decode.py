@@ -30,6 +30,8 @@ CASES = {  # name: (kind, overrides, quantization)
     "qwen3-qk-norm": ("qwen3", {"head_dim": 32}, None),
     "mistral-window": ("mistral", {"sliding_window": 8}, "int8"),
     "llama-untied": ("llama", {"tie_word_embeddings": False}, None),
+    "llama-fp8-kv": ("llama", {}, None),  # an fp8_e4m3 KV cache
+    "llama-int8-fp8-kv": ("llama", {}, "int8"),
 }
 # the last one's 300 tokens are two chunks of decode attention (merged)
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [11], [200, 201, 202, 203] * 5, [7, 8, 9] * 100]
@@ -39,7 +41,10 @@ def _llm(tmp_path, case: str, **options) -> LLM:
     kind, overrides, quantization = CASES[case]
     path = write_model(tmp_path / case, kind, **(SHAPE | overrides))
     dtype = "float16" if case.endswith("fp16") else "bfloat16"
-    return LLM(str(path), dtype=dtype, quantization=quantization, **options)
+    kv_cache_dtype = "fp8_e4m3" if case.endswith("fp8-kv") else "auto"
+    return LLM(
+        str(path), dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype, **options
+    )
 
 
 def _run(llm: LLM, params: SamplingParams) -> list[tuple[list[int], str]]:
@@ -154,18 +159,10 @@ def test_speculative_rows_take_the_compiled_step(tmp_path):
     assert _run(llm, params) == on
 
 
-@pytest.mark.parametrize(
-    "case, options",
-    [
-        ("llama-bf16", {"kv_cache_dtype": "fp8_e4m3"}),  # the cache is written in Python
-        ("llama-bf16", {"dtype": "float32"}),  # float32 linears stay PyTorch's
-    ],
-    ids=["fp8-kv", "float32"],
-)
-def test_it_steps_aside_where_an_op_is_not_compiled(tmp_path, case, options, monkeypatch):
-    kind, overrides, _ = CASES[case]
-    path = write_model(tmp_path / case, kind, **(SHAPE | overrides))
-    llm = LLM(str(path), **({"dtype": "bfloat16"} | options))
+def test_it_steps_aside_where_an_op_is_not_compiled(tmp_path):
+    """float32 linears stay PyTorch's."""
+    path = write_model(tmp_path / "llama", "llama", **SHAPE)
+    llm = LLM(str(path), dtype="float32")
     runner = llm.engine.runner
     assert compiled_decode(runner.model, runner.cache) is None
     out = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4))

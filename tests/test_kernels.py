@@ -215,19 +215,31 @@ def _as_float(cache: PagedKVCache) -> PagedKVCache:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_write_kv_matches_index_copy(ops, dtype):
-    """The kernel's cache write equals the PyTorch path's, from strided views of a qkv output."""
+@pytest.mark.parametrize("fp8", [False, True], ids=["cache-in-dtype", "cache-fp8"])
+def test_write_kv_matches_index_copy(ops, dtype, fp8):
+    """The kernel's cache write equals the PyTorch path's, from strided views of a qkv output:
+    an fp8 cache's bytes and scales too (a head of zeros: the scale's floor; one of 1e4s and
+    one of subnormal-sized values: e4m3's range at both ends)."""
     qkv = torch.randn(3, 6 * 64, generator=torch.Generator().manual_seed(5)).to(dtype)
+    qkv[0, 128:192] = 0.0
+    qkv[1, 192:256] *= 1e4 if dtype != torch.float16 else 1e2
+    qkv[2, 256:320] *= 1e-4
     k, v = qkv[:, 128:].view(3, 2, 2, 64).unbind(1)
     slots = torch.tensor([5, 0, 17])
-    ours, ref = filled_cache(dtype, dtype, with_ops=ops), filled_cache(dtype, dtype)
+    kv_dtype = torch.float8_e4m3fn if fp8 else dtype
+    ours, ref = filled_cache(kv_dtype, dtype, with_ops=ops), filled_cache(kv_dtype, dtype)
     assert ours._write == ours._write_compiled and ref._write == ref._write_torch
     ours.write(0, (k, v), slots)
     ref.write(0, (k, v), slots)
     for name in ("key", "value"):
         assert torch.equal(ours.store[name][0], ref.store[name][0])
+        assert torch.equal(ours.scales[name][0], ref.scales[name][0])
+    key_cache, value_cache, key_scale, value_scale = ours.layer_storage(0)
     with pytest.raises(ValueError, match="slot out of range"):
-        ops.write_kv(*ours.layer_storage(0)[:2], k, v, torch.tensor([5, 0, 99]))
+        ops.write_kv(key_cache, value_cache, k, v, torch.tensor([5, 0, 99]), key_scale, value_scale)
+    if fp8:
+        with pytest.raises(ValueError, match="fp8 caches need float scales"):
+            ops.write_kv(key_cache, value_cache, k, v, slots)  # no scales
 
 
 def test_decode_attention_refuses_bad_tables(ops):

@@ -113,7 +113,7 @@ def test_layers_choose_each_op_once_when_built():
     mixed = PagedKVCache(bf16, 2, torch.float32, ops)  # a bf16 cache under a float32 model
     assert mixed._decode == mixed._decode_sdpa and mixed._write == mixed._write_torch
     fp8 = PagedKVCache(KVCacheSpec.key_value(1, 2, 64, 4, torch.float8_e4m3fn), 2, bf16.dtype, ops)
-    assert fp8._decode == fp8._decode_compiled and fp8._write == fp8._write_torch
+    assert fp8._decode == fp8._decode_compiled and fp8._write == fp8._write_compiled
     same = PagedKVCache(bf16, 2, torch.bfloat16, ops)
-    assert same.in_place_kernels and not fp8.in_place_kernels and not mixed.in_place_kernels
+    assert same.in_place_kernels and fp8.in_place_kernels and not mixed.in_place_kernels
     assert layers.RMSNorm(64, 1e-6, ops).compiled and not layers.RMSNorm(24, 1e-6, ops).compiled

@@ -24,7 +24,7 @@ that make the choice; forward code calls the function chosen:
 | pack_vnni, linear_vnni | linear.PackedLinear.__init__   | bf16 (every batch size)                |
 | linear_quant           | linear.QuantLinear (quant.py)  | int8 / int4 weights (every batch size) |
 | quant_rows             | linear.QuantEmbedding          | int8 / int4 embeddings                 |
-| write_kv               | kv_cache.PagedKVCache.__init__ | key/value stored in the compute dtype  |
+| write_kv               | kv_cache.PagedKVCache.__init__ | key/value in fp8 or the compute dtype  |
 | decode_attention       | kv_cache.PagedKVCache.__init__ | key/value in fp8 or the compute dtype, |
 |                        |                                | head_dim % 16 == 0 and <= 256          |
 | prefill_attention      | kv_cache.PagedKVCache.__init__ | AVX-512 build, compute in bf16,        |
@@ -159,10 +159,18 @@ class CpuOps(LinearOps):
         key: torch.Tensor,
         value: torch.Tensor,
         slots: torch.Tensor,
+        key_scale: torch.Tensor | None = None,
+        value_scale: torch.Tensor | None = None,
     ) -> None:
         """key/value [T, Hkv, D] (D contiguous) into slots [T] int64 of the caches
-        [num_blocks, block_size, Hkv, D] (contiguous, the same dtype)."""
-        self.module.write_kv(key_cache, value_cache, key, value, slots)
+        [num_blocks, block_size, Hkv, D] (contiguous): of the same dtype, or fp8_e4m3 bytes
+        (uint8) with float scales [num_blocks, block_size, Hkv, 1], each token's head vector
+        quantized as kv_cache.PagedKVCache.put does."""
+        none = key.new_empty(0).float()  # a cache in the compute dtype has no scales
+        self.module.write_kv(
+            key_cache, value_cache, key, value, slots,
+            none if key_scale is None else key_scale, none if value_scale is None else value_scale,
+        )  # fmt: skip
 
     def decode_attention(
         self,

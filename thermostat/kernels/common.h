@@ -36,6 +36,7 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <omp.h>
 #include <torch/extension.h>
@@ -45,6 +46,7 @@
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <mutex>
 #include <type_traits>
 #include <vector>
@@ -295,10 +297,31 @@ void check_slots(const torch::Tensor& slots, int64_t T, int64_t num_slots) {
   }
 }
 
+// One head's vector x [D] as fp8_e4m3 bytes and its scale, as kv_cache.PagedKVCache.put makes
+// them: scale = max(amax / 448, 1e-12) in float (a NaN kept), each byte c10's rounding of
+// x / scale (the conversion torch's .to(float8_e4m3fn) runs).
+template <typename T>
+void store_fp8_head(const T* x, int64_t D, uint8_t* dst, float* scale) {
+  float amax = 0.0f;
+  bool nan = false;
+  for (int64_t i = 0; i < D; ++i) {
+    const float a = std::abs(static_cast<float>(x[i]));
+    nan = nan || std::isnan(a);
+    amax = std::max(amax, a);
+  }
+  if (nan) amax = std::numeric_limits<float>::quiet_NaN();
+  const float s = std::max(amax / 448.0f, static_cast<float>(1e-12));  // max keeps a NaN first
+  for (int64_t i = 0; i < D; ++i) dst[i] = c10::Float8_e4m3fn(static_cast<float>(x[i]) / s).x;
+  *scale = s;
+}
+
 // key/value [T, Hkv, D] (views of the qkv output: D contiguous) into cache slots [T] of caches
-// [num_blocks, block_size, Hkv, D] of the same dtype.
+// [num_blocks, block_size, Hkv, D]: of their dtype, or fp8_e4m3 bytes (uint8) with a float
+// scale per token and head in key_scale / value_scale [num_blocks, block_size, Hkv, 1] (empty
+// for a cache in the compute dtype).
 void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor key,
-              torch::Tensor value, torch::Tensor slots) {
+              torch::Tensor value, torch::Tensor slots, torch::Tensor key_scale,
+              torch::Tensor value_scale) {
   TORCH_CHECK_VALUE(key_cache.dim() == 4 && key_cache.is_contiguous() &&
                         value_cache.is_contiguous() && value_cache.sizes() == key_cache.sizes(),
                     "write_kv: caches must be [blocks, block_size, Hkv, D], contiguous");
@@ -308,12 +331,38 @@ void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor 
                         key.size(2) == D && value.sizes() == key.sizes() && key.stride(2) == 1 &&
                         value.stride(2) == 1,
                     "write_kv: key/value must be [T, Hkv, D] with D contiguous");
-  TORCH_CHECK_VALUE(key.scalar_type() == key_cache.scalar_type() &&
-                        value.scalar_type() == key_cache.scalar_type() &&
+  const bool fp8 = key_cache.scalar_type() == at::kByte;
+  TORCH_CHECK_VALUE((fp8 || key.scalar_type() == key_cache.scalar_type()) &&
+                        value.scalar_type() == key.scalar_type() &&
                         value_cache.scalar_type() == key_cache.scalar_type(),
-                    "write_kv: dtypes must match the cache");
+                    "write_kv: dtypes must match the cache (or the cache be fp8 bytes)");
+  TORCH_CHECK_VALUE(!fp8 || (key_scale.scalar_type() == at::kFloat &&
+                             value_scale.scalar_type() == at::kFloat &&
+                             key_scale.is_contiguous() && value_scale.is_contiguous() &&
+                             key_scale.numel() == num_slots * Hkv &&
+                             value_scale.numel() == key_scale.numel()),
+                    "write_kv: fp8 caches need float scales [blocks, block_size, Hkv, 1]");
   check_slots(slots, T, num_slots);
   const int64_t* sp = slots.data_ptr<int64_t>();
+  if (fp8) {
+    uint8_t* kc = key_cache.data_ptr<uint8_t>();
+    uint8_t* vc = value_cache.data_ptr<uint8_t>();
+    float* ks = key_scale.data_ptr<float>();
+    float* vs = value_scale.data_ptr<float>();
+    THERMOSTAT_DISPATCH_FLOAT(key.scalar_type(), "write_kv", [&] {
+      const scalar_t* kp = key.data_ptr<scalar_t>();
+      const scalar_t* vp = value.data_ptr<scalar_t>();
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t h = 0; h < Hkv; ++h) {
+          const int64_t row = sp[t] * Hkv + h;
+          store_fp8_head(kp + t * key.stride(0) + h * key.stride(1), D, kc + row * D, ks + row);
+          store_fp8_head(vp + t * value.stride(0) + h * value.stride(1), D, vc + row * D,
+                         vs + row);
+        }
+      }
+    });
+    return;
+  }
   const int64_t item = key.element_size() * D;
   char* kc = static_cast<char*>(key_cache.data_ptr());
   char* vc = static_cast<char*>(value_cache.data_ptr());

@@ -234,8 +234,8 @@ int64_t run_team(int64_t max_steps, int64_t max_pieces, int64_t stall_us, F&& bo
 // Two ways through: `team` runs the whole step in one parallel region, each op a team step
 // whose pieces go to whichever thread is free (a linear's piece redone by a teammate when the
 // thread holding it is preempted; see Team); `ops` calls the ops one after another (each forking
-// its own threads). The team takes every stack it can: int8 /
-// 4-bit linears, bf16 ones off AMX, widths multiples of 32 and a KV cache in the compute dtype;
+// its own threads). The team takes every stack it can: int8 / 4-bit linears, bf16 ones off AMX,
+// widths multiples of 32 and a KV cache in the compute dtype or fp8_e4m3 (store_fp8_head);
 // the AMX bf16 kernel keeps the per-op way (it could not be measured inside a team here).
 
 struct StackLinear {
@@ -354,7 +354,8 @@ class DecodeStack {
     TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == final_norm_.numel() && x.size(0) >= 1,
                       "DecodeStack: x must be [T, hidden]");
     const auto dtype = x.scalar_type();
-    if (team && teamable_ && layers_[0].key_cache.scalar_type() == dtype &&
+    const auto cache = layers_[0].key_cache.scalar_type();
+    if (team && teamable_ && (cache == dtype || cache == at::kByte) &&
         (!has_bf16_ || (dtype == at::kBFloat16 && !amx_permitted()))) {
       return THERMOSTAT_DISPATCH_FLOAT(dtype, "DecodeStack", [&] {
         return forward_team<scalar_t>(x, cos, sin, slots, block_tables, context_lens, window,
@@ -381,7 +382,8 @@ class DecodeStack {
       const torch::Tensor v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D});
       if (L.q_norm) qk = qk_norms(qk, L);
       rotary_(qk, cos, sin);
-      write_kv(L.key_cache, L.value_cache, qk.narrow(1, H, Hkv), v, slots);
+      write_kv(L.key_cache, L.value_cache, qk.narrow(1, H, Hkv), v, slots, L.key_scale,
+               L.value_scale);
       const torch::Tensor o =
           decode_attention(qk.narrow(1, 0, H), L.key_cache, L.value_cache, L.key_scale,
                            L.value_scale, block_tables, context_lens, scale_, window);
@@ -397,6 +399,51 @@ class DecodeStack {
     return at::cat({at::rms_norm(qk.narrow(1, 0, heads_), dim, *L.q_norm, eps_),
                     at::rms_norm(qk.narrow(1, heads_, kv_heads_), dim, *L.k_norm, eps_)},
                    1);
+  }
+
+  // A team's rotary, cache write and decode attention of one layer: q and k rotated in place
+  // in qk (rows of qk_row), K and V stored in the cache of element C (T, or uint8_t: fp8_e4m3
+  // bytes with their scales, store_fp8_head), then attention into attn [T, H * D].
+  template <typename C, typename T>
+  void attend_layer(Team& team, const StackLayer& L, T* qk, int64_t qk_row, const T* qkv,
+                    int64_t Nqkv, const T* cp, const T* sp, const int64_t* slot,
+                    const torch::Tensor& block_tables, const int64_t* lens, int64_t window,
+                    AttentionPlan& plan, AttentionScratch& scratch, T* attn) const {
+    const int64_t T_ = block_tables.size(0), H = heads_, Hkv = kv_heads_, D = head_dim_;
+    constexpr bool fp8 = std::is_same_v<C, uint8_t>;
+    C* kc = L.key_cache.data_ptr<C>();
+    C* vc = L.value_cache.data_ptr<C>();
+    float* ks = fp8 ? L.key_scale.data_ptr<float>() : nullptr;
+    float* vs = fp8 ? L.value_scale.data_ptr<float>() : nullptr;
+    team.split(T_ * (H + Hkv), [&](int64_t b, int64_t e) {  // rotary, K and V cached
+      for (int64_t item = b; item < e; ++item) {
+        const int64_t t = item / (H + Hkv), head = item % (H + Hkv);
+        T* row = qk + t * qk_row + head * D;
+        rotate_head(row, cp + t * D, sp + t * D, D / 2);
+        if (head < H) continue;
+        const int64_t at_slot = slot[t] * Hkv + head - H;
+        const T* value = qkv + t * Nqkv + (Hkv + head) * D;
+        if constexpr (fp8) {
+          store_fp8_head(row, D, kc + at_slot * D, ks + at_slot);
+          store_fp8_head(value, D, vc + at_slot * D, vs + at_slot);
+        } else {
+          std::memcpy(kc + at_slot * D, row, D * sizeof(T));
+          std::memcpy(vc + at_slot * D, value, D * sizeof(T));
+        }
+      }
+    });
+    const AttentionArgs<T, C> args{qk, qk_row, D, kc, vc, ks, vs,
+                                   block_tables.data_ptr<int64_t>(), lens, H, Hkv, D,
+                                   L.key_cache.size(1), block_tables.size(1), window,
+                                   static_cast<float>(scale_), attn};
+    team.step(plan.items(), 1, [&](int64_t item, int64_t) {
+      attend_chunk(args, plan, item, scratch);
+    });
+    if (plan.merge) {
+      team.split(T_ * H, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) merge_chunks(args, plan, i / H, i % H);
+      });
+    }
   }
 
   template <typename T>
@@ -466,31 +513,12 @@ class DecodeStack {
           qk = qk_normed.data_ptr<T>();
           qk_row = (H + Hkv) * D;
         }
-        T* kc = L.key_cache.data_ptr<T>();
-        T* vc = L.value_cache.data_ptr<T>();
-        team.split(T_ * (H + Hkv), [&](int64_t b, int64_t e) {  // rotary, K and V cached
-          for (int64_t item = b; item < e; ++item) {
-            const int64_t t = item / (H + Hkv), head = item % (H + Hkv);
-            T* row = qk + t * qk_row + head * D;
-            rotate_head(row, cp + t * D, sp + t * D, D / 2);
-            if (head >= H) {
-              const int64_t dst = (slot[t] * Hkv + head - H) * D;
-              std::memcpy(kc + dst, row, D * sizeof(T));
-              std::memcpy(vc + dst, qkvp + t * Nqkv + (Hkv + head) * D, D * sizeof(T));
-            }
-          }
-        });
-        const AttentionArgs<T, T> args{qk, qk_row, D, kc, vc, nullptr, nullptr,
-                                       block_tables.data_ptr<int64_t>(), lens, H, Hkv, D,
-                                       L.key_cache.size(1), block_tables.size(1), window,
-                                       static_cast<float>(scale_), attnp};
-        team.step(plan.items(), 1, [&](int64_t item, int64_t) {
-          attend_chunk(args, plan, item, scratch);
-        });
-        if (plan.merge) {
-          team.split(T_ * H, [&](int64_t b, int64_t e) {
-            for (int64_t i = b; i < e; ++i) merge_chunks(args, plan, i / H, i % H);
-          });
+        if (L.key_cache.scalar_type() == at::kByte) {
+          attend_layer<uint8_t>(team, L, qk, qk_row, qkvp, Nqkv, cp, sp, slot, block_tables, lens,
+                                window, plan, scratch, attnp);
+        } else {
+          attend_layer<T>(team, L, qk, qk_row, qkvp, Nqkv, cp, sp, slot, block_tables, lens,
+                          window, plan, scratch, attnp);
         }
         L.o.run(team, attnp, T_, outp, a, mine);
         norm_rows(team, outp, L.post_norm, hp);

@@ -9,9 +9,9 @@ team, thermostat/kernels/decode_stack.h), the fork and join of each op.
 
 It applies to a batch of decode rows only (no prefill chunk) and only where the Python forward
 would run every op of a layer in the kernels: linears packed (bf16) or quantized (int8 / int4),
-norms, rotary and SwiGLU compiled, and a KV cache in the compute dtype that the kernels write
-and read in place (fp8 and window pools keep the Python path). Mixture-of-experts layers keep
-it too. `compiled_decode` says None wherever one of these fails.
+norms, rotary and SwiGLU compiled, and a KV cache in the compute dtype or fp8_e4m3 that the
+kernels write and read in place (window pools keep the Python path). Mixture-of-experts layers
+keep it too. `compiled_decode` says None wherever one of these fails.
 """
 
 from __future__ import annotations

@@ -81,9 +81,7 @@ class PagedKVCache:
         head_dim = spec.components[0].per_token_shape[-1]
         in_place = spec.quantized or spec.dtype == compute_dtype
         self._write = (
-            self._write_compiled
-            if self.ops is not None and spec.dtype == compute_dtype
-            else self._write_torch
+            self._write_compiled if self.ops is not None and in_place else self._write_torch
         )
         self._decode = (
             self._decode_compiled
@@ -249,7 +247,8 @@ class PagedKVCache:
     ) -> None:
         assert self.ops is not None  # __init__ picks this path only with ops
         key, value = values
-        self.ops.write_kv(self.store["key"][layer], self.store["value"][layer], key, value, slots)
+        key_cache, value_cache, key_scale, value_scale = self.layer_storage(layer)
+        self.ops.write_kv(key_cache, value_cache, key, value, slots, key_scale, value_scale)
 
     def _write_torch(
         self, layer: int, values: tuple[torch.Tensor, ...], slots: torch.Tensor
