@@ -4,6 +4,7 @@ one list of served families, cache specs are named components, and each op is ch
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,30 @@ def test_one_component_cache_round_trip(dtype):
     assert got.shape == (1, 12, 40)
     tol = 0.07 if dtype == torch.float8_e4m3fn else 0
     torch.testing.assert_close(got[0, [0, 1, 2, 4, 11]], x, atol=tol * 4, rtol=tol)
+
+
+def resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_cache_is_zeros_committed_only_as_written():
+    """A 256 MB cache starts as zeros without its memory being resident; a written block becomes
+    resident, and the memory is the process's own (a fork's writes are not shared)."""
+    before = resident_bytes()
+    cache = PagedKVCache(KVCacheSpec.key_value(2, 4, 64, 16, torch.bfloat16), 4096, torch.float32)
+    assert resident_bytes() - before < 8 * 2**20
+    key = cache.store["key"][1]
+    assert key.nbytes == 4096 * 16 * 4 * 64 * 2 and key.is_contiguous()
+    assert not key[1024:].any()  # reading maps the zero page, nothing committed
+    assert resident_bytes() - before < 8 * 2**20
+    key[:3072] = 1  # 24 MB
+    assert resident_bytes() - before >= 20 * 2**20 and key[:3072].eq(1).all()
+    pid = os.fork()
+    if pid == 0:  # the child writes its copy and leaves at once
+        key[0, 0, 0, 0] = 7
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert key[0, 0, 0, 0] == 1
 
 
 def test_layers_choose_each_op_once_when_built():

@@ -22,6 +22,8 @@ position's in the main pool, the last `window` positions' in a window pool.
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -35,6 +37,17 @@ if TYPE_CHECKING:
     from thermostat.models.attention import AttentionMetadata, PrefillSegment
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+
+
+def zeros_as_written(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros over a fresh private anonymous mapping: the system's zero pages, each committed
+    when first written, so a cache is made at once and its resident memory grows as it fills
+    (torch.zeros writes every byte first: the default 1 GB cache took 0.45 s of each start)."""
+    size = math.prod(shape) * dtype.itemsize
+    if size == 0:
+        return torch.zeros(shape, dtype=dtype)
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # the tensor keeps it alive
+    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class PagedKVCache:
@@ -73,7 +86,7 @@ class PagedKVCache:
             storage = torch.uint8 if c.quantized else c.dtype
             scale_shape = (*shape[:-1], 1) if c.quantized else (0,)
             layers = c.layer_ids(spec.num_layers)
-            self.store[c.name] = {i: torch.zeros(shape, dtype=storage) for i in layers}
+            self.store[c.name] = {i: zeros_as_written(shape, storage) for i in layers}
             self.scales[c.name] = {i: torch.ones(scale_shape) for i in layers}
 
         # The one choice of each path (the table in thermostat.kernels).
