@@ -109,6 +109,16 @@ def test_a_sent_max_tokens_that_does_not_fit_is_refused_and_changes_nothing(serv
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     with pytest.raises(ValueError, match="context length"):
         llm.generate([prompt], SamplingParams(max_tokens=9))
+    full = llm.tokenizer.encode("ROMEO. " * 80)[:CONTEXT]
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "demo", "prompt": full})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert r.json()["error"]["message"] == (
+        f"prompt: {CONTEXT} tokens leave no room to generate in the context length ({CONTEXT})"
+    )
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "demo", "prompt": full * 2})
+    assert r.json()["error"]["message"] == (
+        f"prompt: {2 * CONTEXT} tokens exceed the context length ({CONTEXT})"
+    )
     assert not llm.engine.has_unfinished() and not server.engine.has_unfinished()
 
 

@@ -206,8 +206,9 @@ def fit_to_context(
             f"context length ({context_len})",
         )
     if room <= 0 and (eff.max_tokens is None or eff.max_tokens > 0):
+        what = "exceed" if prompt_len > context_len else "leave no room to generate in"
         raise SamplingParamError(
-            "prompt", f"prompt of {prompt_len} tokens fills the context length"
+            "prompt", f"{prompt_len} tokens {what} the context length ({context_len})"
         )
     adjusted = resolution.adjusted
     if eff.max_tokens is not None and eff.max_tokens > room:
