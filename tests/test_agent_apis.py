@@ -214,6 +214,32 @@ def test_a_forced_function_call_whole_and_streamed_then_a_round_trip(qwen):
     assert answer.usage.input_tokens > whole.usage.input_tokens
 
 
+def test_a_call_cut_by_max_output_tokens_is_the_incomplete_item(qwen):
+    """The tokens run out inside the call: the response and its last item are incomplete,
+    whole and streamed; the item the SDK saw done is that item."""
+    client = qwen.client()
+    ask = dict(
+        model=qwen.model,
+        input="What is the weather in Paris?",
+        tools=RESPONSES_TOOLS,
+        tool_choice={"type": "function", "name": "get_weather"},
+        temperature=0,
+        max_output_tokens=45,
+    )
+    whole = client.responses.create(**ask)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert [(item.type, item.status) for item in whole.output] == [("function_call", "incomplete")]
+    with client.responses.stream(**ask) as stream:
+        events = list(stream)
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    streamed = events[-1].response
+    assert events[-1].type == "response.incomplete"
+    assert [(i.type, i.status) for i in streamed.output] == [("function_call", "incomplete")]
+    assert [(i.type, i.status, i.arguments) for i in done] == [
+        ("function_call", "incomplete", whole.output[0].arguments)
+    ]
+
+
 def test_a_custom_tool_is_called_with_its_freeform_input(qwen):
     client = qwen.client()
     patch = {

@@ -133,12 +133,12 @@ class EventStream:
                 )
         return events
 
-    def _close_call(self) -> list[dict[str, Any]]:
+    def _close_call(self, cut: bool = False) -> list[dict[str, Any]]:
         if not self.open_call:
             return []
         self.open_call = False
         call = self.calls[-1]
-        item = self.builder.call_item(call)
+        item = self.builder.call_item(call, "incomplete" if cut else "completed")
         at = {"item_id": item["id"], "output_index": self.index}
         if item["type"] == "custom_tool_call":
             added = item | {"status": "in_progress", "input": ""}
@@ -166,4 +166,4 @@ class EventStream:
         if self.text is None and not self.calls:  # an empty answer is an empty message
             events = self._text("")[:2]  # its item and part added, no (empty) delta
             return events + self._close_text(cut)
-        return self._close_text(cut) + self._close_call()
+        return self._close_text(cut) + self._close_call(cut)

@@ -119,8 +119,10 @@ class ResponseBuilder:
         """The finished response: `extra` holds the chat answer's `sampling` and `quality`."""
         cut = finish_reason == "length"
         status = "incomplete" if cut else "completed"
-        output = [self.message_item(text or "", status)] if text or not calls else []
+        output = [self.message_item(text or "", "completed")] if text or not calls else []
         output += [self.call_item(c) for c in calls]
+        if cut:  # the last item is where the tokens ran out
+            output[-1]["status"] = "incomplete"
         response = self.shell(status) | {"output": output, "usage": _usage(usage)}
         if cut:
             response["incomplete_details"] = {"reason": "max_output_tokens"}
