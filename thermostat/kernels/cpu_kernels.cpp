@@ -514,7 +514,8 @@ void merge_chunks(const AttentionArgs<T, C>& a, const AttentionPlan& plan, int64
 //   AMX (Intel)   C tiles accumulate the K steps in order, 32-row slabs of x
 //   no AMX        vdpbf16ps into one float32 accumulator per output, K pairs in order; register
 //                 tiles of up to 6 rows x 4 column blocks, the weights streamed once per tile
-//                 (M = 1: four streams in flight, at memory speed by the hardware prefetchers)
+//                 (M = 1: four streams in flight, at memory speed by the hardware prefetchers);
+//                 without AVX512-BF16 its emulation, from kFloatRows rows on floats turned once
 
 constexpr int64_t kTile = 512;           // bf16 elements in one 16 x 32 weight tile (1 KiB)
 constexpr int64_t kAmxRows = 32;         // rows of x in one AMX slab
@@ -594,8 +595,97 @@ void bf16_blocks(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, in
   }
 }
 
+#ifndef __AVX512BF16__
+// Without AVX512-BF16, a batch of rows takes bf16_tile's arithmetic (the emulated dot_pairs: the
+// high halves' product, then the low halves', one FMA each) on floats turned once: x's elements
+// per call, and the halves of each quad's weights per thread, so that no pair is unpacked per
+// instruction. Every output gets the same bits as from bf16_tile, so the number of rows M may
+// choose the path (batch invariance holds): from kFloatRows rows, where turning a quad's weights
+// costs less than the unpacking it saves.
+constexpr int64_t kFloatRows = 96;
+
+// Rows [m0, m0 + R) x the quad's C blocks: wf [pairs][C][high, low][16], xf [M][Kp].
+template <int R, int C>
+inline void float_tile(const float* xf, int64_t Kp, const float* wf, const float* bias,
+                       c10::BFloat16* y, int64_t N, int64_t m0, int64_t nb) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < Kp / 2; ++kp) {
+    const float* w = wf + kp * C * 32;
+    __m512 high[C], low[C];
+    for (int c = 0; c < C; ++c) {
+      high[c] = _mm512_loadu_ps(w + c * 32);
+      low[c] = _mm512_loadu_ps(w + c * 32 + 16);
+    }
+    for (int r = 0; r < R; ++r) {
+      const float* xr = xf + (m0 + r) * Kp + 2 * kp;
+      const __m512 xhigh = _mm512_set1_ps(xr[1]), xlow = _mm512_set1_ps(xr[0]);
+      for (int c = 0; c < C; ++c) {
+        acc[r][c] = _mm512_fmadd_ps(xlow, low[c], _mm512_fmadd_ps(xhigh, high[c], acc[r][c]));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      __m512 v = acc[r][c];
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + (nb + c) * 16));
+      store_outputs(y + (m0 + r) * N, N, (nb + c) * 16, v);
+    }
+  }
+}
+
+// Every row against blocks [nb, nb + C), their weights' halves turned into wf first: tiles of 5
+// rows (20 accumulators, 8 weight registers, 2 broadcasts), then the rest.
+template <int C>
+void float_rows(const float* xf, int64_t M, int64_t Kp, const uint16_t* W, int64_t KS,
+                std::vector<float>& wf, const float* bias, c10::BFloat16* y, int64_t N,
+                int64_t nb) {
+  wf.resize(Kp / 2 * C * 32);
+  for (int64_t kp = 0; kp < Kp / 2; ++kp) {
+    for (int c = 0; c < C; ++c) {
+      const __m512i w = _mm512_loadu_si512(W + (nb + c) * KS * kTile + kp * 32);
+      _mm512_storeu_ps(&wf[(kp * C + c) * 32], high_halves(w));
+      _mm512_storeu_ps(&wf[(kp * C + c) * 32 + 16], low_halves(w));
+    }
+  }
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) float_tile<6, C>(xf, Kp, wf.data(), bias, y, N, m, nb);
+  switch (M - m) {
+    case 5: float_tile<5, C>(xf, Kp, wf.data(), bias, y, N, m, nb); break;
+    case 4: float_tile<4, C>(xf, Kp, wf.data(), bias, y, N, m, nb); break;
+    case 3: float_tile<3, C>(xf, Kp, wf.data(), bias, y, N, m, nb); break;
+    case 2: float_tile<2, C>(xf, Kp, wf.data(), bias, y, N, m, nb); break;
+    case 1: float_tile<1, C>(xf, Kp, wf.data(), bias, y, N, m, nb); break;
+    default: break;
+  }
+}
+
+void linear_float_halves(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, int64_t NB,
+                         int64_t KS, const float* bias, c10::BFloat16* y, int64_t N) {
+  std::vector<float> xf(M * Kp);
+  for (int64_t i = 0; i < M * Kp; i += kLanes) {
+    _mm512_storeu_ps(&xf[i], load16(reinterpret_cast<const c10::BFloat16*>(x + i)));
+  }
+  parallel_pieces((NB + 3) / 4, 8, [&](int64_t b, int64_t e) {
+    std::vector<float> wf;
+    for (int64_t nb = 4 * b; nb < std::min(NB, 4 * e); nb += 4) {
+      switch (std::min<int64_t>(4, NB - nb)) {
+        case 4: float_rows<4>(xf.data(), M, Kp, W, KS, wf, bias, y, N, nb); break;
+        case 3: float_rows<3>(xf.data(), M, Kp, W, KS, wf, bias, y, N, nb); break;
+        case 2: float_rows<2>(xf.data(), M, Kp, W, KS, wf, bias, y, N, nb); break;
+        default: float_rows<1>(xf.data(), M, Kp, W, KS, wf, bias, y, N, nb); break;
+      }
+    }
+  });
+}
+#endif
+
 void linear_dpbf16(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, int64_t NB,
                    int64_t KS, const float* bias, c10::BFloat16* y, int64_t N) {
+#ifndef __AVX512BF16__
+  if (M >= kFloatRows) return linear_float_halves(x, M, Kp, W, NB, KS, bias, y, N);
+#endif
   parallel_pieces((NB + 3) / 4, 8, [&](int64_t b, int64_t e) {  // whole quads of blocks
     bf16_blocks(x, M, Kp, W, KS, bias, y, N, 4 * b, std::min(NB, 4 * e));
   });
