@@ -19,7 +19,7 @@
 // high halves' product first), the operands are turned into floats once instead: the queries'
 // halves per item, each tile's keys, values and (bf16-rounded) weights, so that the inner loops
 // are FMAs on a broadcast float, the emulation's arithmetic in its order without unpacking a pair
-// per instruction (Q K^T and P V ~1.6x faster on a Xeon without AVX512-BF16; the same bits).
+// per instruction (the kernel about 1.4x faster on a Xeon without AVX512-BF16; the same bits).
 //
 // An fp8_e4m3 cache (bytes, a float scale per token and head) is read the same way: each tile's
 // rows are turned into bf16 as the SDPA path's gather turns them, (fp8 -> float) x scale rounded
