@@ -169,16 +169,21 @@ def test_the_store_keeps_the_newest(tmp_path):
         assert [client.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
 
 
-def test_a_forced_function_call_whole_and_streamed_then_a_round_trip(qwen):
-    client = qwen.client()
-    ask = dict(
-        model=qwen.model,
+def forced_weather_call(server, max_output_tokens: int) -> dict:
+    """A Responses request whose answer must call get_weather (greedy)."""
+    return dict(
+        model=server.model,
         input="What is the weather in Paris?",
         tools=RESPONSES_TOOLS,
         tool_choice={"type": "function", "name": "get_weather"},
         temperature=0,
-        max_output_tokens=120,
+        max_output_tokens=max_output_tokens,
     )
+
+
+def test_a_forced_function_call_whole_and_streamed_then_a_round_trip(qwen):
+    client = qwen.client()
+    ask = forced_weather_call(qwen, max_output_tokens=120)
     whole = client.responses.create(**ask)
     assert whole.status == "completed"
     (call,) = [item for item in whole.output if item.type == "function_call"]
@@ -218,14 +223,7 @@ def test_a_call_cut_by_max_output_tokens_is_the_incomplete_item(qwen):
     """The tokens run out inside the call: the response and its last item are incomplete,
     whole and streamed; the item the SDK saw done is that item."""
     client = qwen.client()
-    ask = dict(
-        model=qwen.model,
-        input="What is the weather in Paris?",
-        tools=RESPONSES_TOOLS,
-        tool_choice={"type": "function", "name": "get_weather"},
-        temperature=0,
-        max_output_tokens=45,
-    )
+    ask = forced_weather_call(qwen, max_output_tokens=45)
     whole = client.responses.create(**ask)
     assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
     assert [(item.type, item.status) for item in whole.output] == [("function_call", "incomplete")]

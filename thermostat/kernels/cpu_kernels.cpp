@@ -530,6 +530,19 @@ inline void store_outputs(T* y, int64_t N, int64_t n0, __m512 v) {
   std::memcpy(y + n0, tmp, sizeof(T) * std::min<int64_t>(left, 16));
 }
 
+// A tile's accumulators (+ bias) as the outputs of rows [m0, m0 + R) x blocks [nb, nb + C)
+template <int R, int C>
+inline void store_tile(const __m512 (&acc)[R][C], const float* bias, c10::BFloat16* y, int64_t N,
+                       int64_t m0, int64_t nb) {
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      __m512 v = acc[r][c];
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + (nb + c) * 16));
+      store_outputs(y + (m0 + r) * N, N, (nb + c) * 16, v);
+    }
+  }
+}
+
 // Rows [m0, m0 + R) x column blocks [nb, nb + C): one float32 accumulator per output, every K
 // pair in order.
 template <int R, int C>
@@ -554,13 +567,7 @@ inline void bf16_tile(const uint16_t* x, int64_t Kp, const uint16_t* W, int64_t 
       for (int c = 0; c < C; ++c) acc[r][c] = dot_pairs(acc[r][c], xb, w[c]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) {
-      __m512 v = acc[r][c];
-      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + (nb + c) * 16));
-      store_outputs(y + (m0 + r) * N, N, (nb + c) * 16, v);
-    }
-  }
+  store_tile<R, C>(acc, bias, y, N, m0, nb);
 }
 
 // Every row of x against column blocks [nb, nb + C): tiles of 6 rows (24 accumulators of the 32
@@ -626,17 +633,11 @@ inline void float_tile(const float* xf, int64_t Kp, const float* wf, const float
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) {
-      __m512 v = acc[r][c];
-      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + (nb + c) * 16));
-      store_outputs(y + (m0 + r) * N, N, (nb + c) * 16, v);
-    }
-  }
+  store_tile<R, C>(acc, bias, y, N, m0, nb);
 }
 
-// Every row against blocks [nb, nb + C), their weights' halves turned into wf first: tiles of 5
-// rows (20 accumulators, 8 weight registers, 2 broadcasts), then the rest.
+// Every row against blocks [nb, nb + C), their weights' halves turned into wf first: tiles of 6
+// rows (24 accumulators, 8 weight registers; x's floats broadcast from memory), then the rest.
 template <int C>
 void float_rows(const float* xf, int64_t M, int64_t Kp, const uint16_t* W, int64_t KS,
                 std::vector<float>& wf, const float* bias, c10::BFloat16* y, int64_t N,
