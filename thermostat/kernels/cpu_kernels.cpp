@@ -305,6 +305,63 @@ inline const c10::BFloat16* pair_row(const ChunkReader<c10::BFloat16, C>& chunk,
   }
 }
 
+#ifndef __AVX512BF16__
+// Without AVX512-BF16 each bf16 pair is unpacked into its halves before dot_pairs' two FMAs. For
+// D = 64 the group's query heads go through a key (and a value pair) together, up to 3 at a time,
+// so that its halves are unpacked once for them all, not once per head: every accumulator still
+// takes the same FMAs in the same order (the same bits as head by head).
+constexpr int kHeadsTogether = 3;
+
+// The 16 keys' dot products (dot_pairs' sums) with query heads qs[0 .. GN) into dots[g]
+template <int DP, int GN>
+inline void key_major_dots(const c10::BFloat16* const* qs, const c10::BFloat16* const* rows,
+                           __m512 (*dots)[kLanes]) {
+  __m512 qhigh[GN][DP], qlow[GN][DP];
+  for (int g = 0; g < GN; ++g) {
+    for (int p = 0; p < DP; ++p) {
+      const __m512i qv = _mm512_loadu_si512(qs[g] + 32 * p);
+      qhigh[g][p] = high_halves(qv), qlow[g][p] = low_halves(qv);
+    }
+  }
+  for (int64_t j = 0; j < kLanes; ++j) {
+    __m512 khigh[DP], klow[DP];
+    for (int p = 0; p < DP; ++p) {
+      const __m512i kv = _mm512_loadu_si512(rows[j] + 32 * p);
+      khigh[p] = high_halves(kv), klow[p] = low_halves(kv);
+    }
+    for (int g = 0; g < GN; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int p = 0; p < DP; ++p) {
+        acc = _mm512_fmadd_ps(qlow[g][p], klow[p], _mm512_fmadd_ps(qhigh[g][p], khigh[p], acc));
+      }
+      dots[g][j] = acc;
+    }
+  }
+}
+
+// P V (dot_pairs' sums) of query heads ws[0 .. GN)'s weights over the paired values into acc[g]
+template <int DP, int GN>
+inline void value_major_sums(const uint32_t* vpairs, const int32_t* const* ws, int64_t pairs,
+                             __m512 (*acc)[2 * DP]) {
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < 2 * DP; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512 vhigh[2 * DP], vlow[2 * DP];
+    for (int c = 0; c < 2 * DP; ++c) {
+      const __m512i vv = _mm512_loadu_si512(vpairs + p * 32 * DP + 16 * c);
+      vhigh[c] = high_halves(vv), vlow[c] = low_halves(vv);
+    }
+    for (int g = 0; g < GN; ++g) {
+      const __m512i pw = _mm512_set1_epi32(ws[g][p]);
+      const __m512 whigh = high_halves(pw), wlow = low_halves(pw);
+      for (int c = 0; c < 2 * DP; ++c) {
+        acc[g][c] = _mm512_fmadd_ps(vlow[c], wlow, _mm512_fmadd_ps(vhigh[c], whigh, acc[g][c]));
+      }
+    }
+  }
+}
+#endif
+
 template <int DP, typename C>  // DP = D / 32
 void attend_pairs(const AttentionArgs<c10::BFloat16, C>& a, AttentionPlan& plan, int64_t item,
                   AttentionScratch& s) {
@@ -329,6 +386,23 @@ void attend_pairs(const AttentionArgs<c10::BFloat16, C>& a, AttentionPlan& plan,
       }
     }
     const __m512 kscale = _mm512_mul_ps(_mm512_load_ps(ks), _mm512_set1_ps(a.scale));
+#ifndef __AVX512BF16__
+    if constexpr (DP <= 2) {
+      for (int64_t g0 = 0; g0 < group; g0 += kHeadsTogether) {
+        const int64_t gn = std::min<int64_t>(kHeadsTogether, group - g0);
+        const c10::BFloat16* qs[kHeadsTogether];
+        for (int64_t g = 0; g < gn; ++g) qs[g] = a.q + b * a.q_row + (h * group + g0 + g) * a.q_head;
+        __m512 dots[kHeadsTogether][kLanes];
+        if (gn == 3) key_major_dots<DP, 3>(qs, rows, dots);
+        else if (gn == 2) key_major_dots<DP, 2>(qs, rows, dots);
+        else key_major_dots<DP, 1>(qs, rows, dots);
+        for (int64_t g = 0; g < gn; ++g) {
+          _mm512_storeu_ps(scores + (g0 + g) * kChunkTokens + i0, _mm512_mul_ps(sum16(dots[g]), kscale));
+        }
+      }
+      continue;
+    }
+#endif
     for (int64_t g = 0; g < group; ++g) {
       const c10::BFloat16* q = a.q + b * a.q_row + (h * group + g) * a.q_head;
       __m512i qv[DP];
@@ -363,12 +437,13 @@ void attend_pairs(const AttentionArgs<c10::BFloat16, C>& a, AttentionPlan& plan,
   float* part = plan.parts.data() + item * group * (D + 2);  // [g][m, l, acc...]
   const __m512i lo_dims = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
   const __m512i hi_dims = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
-  for (int64_t g = 0; g < group; ++g) {
+  // head g's weights exp(s - m) x the value scale, in bf16 (pairs of keys as one dword); its m
+  // and l into its part
+  const auto weigh = [&](int64_t g) {
     float* sg = scores + g * kChunkTokens;
     const auto [m, l] = exp_shifted(sg, n);
     part[g * (D + 2)] = m;
     part[g * (D + 2) + 1] = l;
-    // the weights exp(s - m) x the value scale, in bf16: pairs of keys as one dword
     c10::BFloat16* w = s.weights.data() + g * kChunkTokens;
     for (int64_t i = 0; i < 2 * pairs; i += 2 * kLanes) {
       const __mmask16 m0 = i < n ? (n - i >= kLanes ? 0xFFFF : (1u << (n - i)) - 1) : 0;
@@ -377,18 +452,13 @@ void attend_pairs(const AttentionArgs<c10::BFloat16, C>& a, AttentionPlan& plan,
       const __m512 w1 = _mm512_mul_ps(_mm512_maskz_loadu_ps(m1, sg + i + kLanes), _mm512_loadu_ps(vs + i + kLanes));
       _mm512_storeu_si512(w + i, round_pairs(w1, w0));
     }
-    __m512 acc[2 * DP];
-    for (auto& x : acc) x = _mm512_setzero_ps();
-    const auto* wp = reinterpret_cast<const int32_t*>(w);
-    for (int64_t p = 0; p < pairs; ++p) {
-      const __m512i pw = _mm512_set1_epi32(wp[p]);
-      const uint32_t* vp = s.vpairs.data() + p * D;
-      for (int c = 0; c < 2 * DP; ++c) {
-        acc[c] = dot_pairs(acc[c], _mm512_loadu_si512(vp + 16 * c), pw);
-      }
-    }
-    const bool whole = chunk.chunks == 1;  // normalized here, as merge_chunks would (the same bits)
-    const __m512 inv = _mm512_set1_ps(whole ? 1.0f / l : 1.0f);
+    return reinterpret_cast<const int32_t*>(w);
+  };
+  // head g's P V sums: its output row (normalized here when the chunk is its whole context, as
+  // merge_chunks would: the same bits), else its part
+  const auto finish = [&](int64_t g, const __m512* acc) {
+    const bool whole = chunk.chunks == 1;
+    const __m512 inv = _mm512_set1_ps(whole ? 1.0f / part[g * (D + 2) + 1] : 1.0f);
     c10::BFloat16* orow = a.out + (b * a.Hq + h * group + g) * D;
     for (int c = 0; c < DP; ++c) {
       const __m512 x = _mm512_permutex2var_ps(acc[2 * c], lo_dims, acc[2 * c + 1]);
@@ -401,6 +471,34 @@ void attend_pairs(const AttentionArgs<c10::BFloat16, C>& a, AttentionPlan& plan,
         _mm512_storeu_ps(part + g * (D + 2) + 2 + 32 * c + kLanes, y);
       }
     }
+  };
+#ifndef __AVX512BF16__
+  if constexpr (DP <= 2) {
+    for (int64_t g0 = 0; g0 < group; g0 += kHeadsTogether) {
+      const int64_t gn = std::min<int64_t>(kHeadsTogether, group - g0);
+      const int32_t* ws[kHeadsTogether];
+      for (int64_t g = 0; g < gn; ++g) ws[g] = weigh(g0 + g);
+      __m512 acc[kHeadsTogether][2 * DP];
+      if (gn == 3) value_major_sums<DP, 3>(s.vpairs.data(), ws, pairs, acc);
+      else if (gn == 2) value_major_sums<DP, 2>(s.vpairs.data(), ws, pairs, acc);
+      else value_major_sums<DP, 1>(s.vpairs.data(), ws, pairs, acc);
+      for (int64_t g = 0; g < gn; ++g) finish(g0 + g, acc[g]);
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g) {
+    const int32_t* wp = weigh(g);
+    __m512 acc[2 * DP];
+    for (auto& x : acc) x = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m512i pw = _mm512_set1_epi32(wp[p]);
+      const uint32_t* vp = s.vpairs.data() + p * D;
+      for (int c = 0; c < 2 * DP; ++c) {
+        acc[c] = dot_pairs(acc[c], _mm512_loadu_si512(vp + 16 * c), pw);
+      }
+    }
+    finish(g, acc);
   }
 }
 
