@@ -307,7 +307,7 @@ inline const c10::BFloat16* pair_row(const ChunkReader<c10::BFloat16, C>& chunk,
 
 #ifndef __AVX512BF16__
 // Without AVX512-BF16 each bf16 pair is unpacked into its halves before dot_pairs' two FMAs. For
-// D = 64 the group's query heads go through a key (and a value pair) together, up to 3 at a time,
+// D = 32 or 64 the group's query heads go through a key (and a value pair) together, up to 3 at a time,
 // so that its halves are unpacked once for them all, not once per head: every accumulator still
 // takes the same FMAs in the same order (the same bits as head by head).
 constexpr int kHeadsTogether = 3;

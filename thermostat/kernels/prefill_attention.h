@@ -48,12 +48,13 @@ struct PrefillArgs {
 struct PrefillScratch {
   std::vector<uint32_t> qpairs;      // [D / 2][kQueryLanes]: query m's dims (2p, 2p + 1)
   std::vector<__m512> o;             // [D][kQueryVecs], dims in the paired order (paired_dim)
-  std::vector<uint32_t> vpairs;      // [kKeyTile / 2][D]: keys (2j, 2j + 1)'s values, paired
   std::vector<float> rows;           // [D][kQueryLanes]: the output before it is scattered
   std::vector<c10::BFloat16> kstage, vstage;  // [kKeyTile][D]: an fp8 tile's rows in bf16
   __m512 s[kKeyTile][kQueryVecs];    // scores, then weights
+#ifdef __AVX512BF16__
+  std::vector<uint32_t> vpairs;      // [kKeyTile / 2][D]: keys (2j, 2j + 1)'s values, paired
   __m512i p[kKeyTile / 2][kQueryVecs];  // weights of keys (2j, 2j + 1), bf16 pairs
-#ifndef __AVX512BF16__
+#else
   std::vector<float> qhalves;  // [D / 2][2][kQueryLanes]: query m's dims 2p + 1, then 2p
   std::vector<float> keys;     // [kKeyTile][D]: the tile's keys as floats
   std::vector<float> vhalves;  // [kKeyTile / 2][2][D]: keys 2j + 1 and 2j's values, paired order
@@ -103,7 +104,6 @@ void prefill_item(const PrefillArgs<C>& a, int64_t h, int64_t r0, int64_t rows,
   const int64_t group = a.Hq / a.Hkv, D = a.D, pairs = D / 2, bs = a.block_size;
   s.qpairs.assign(pairs * kQueryLanes, 0);
   s.o.assign(D * kQueryVecs, _mm512_setzero_ps());
-  s.vpairs.resize(kKeyTile / 2 * D);
   s.kstage.resize(kKeyTile * D);
   s.vstage.resize(kKeyTile * D);
   alignas(64) int32_t pos[kQueryLanes];
@@ -115,7 +115,9 @@ void prefill_item(const PrefillArgs<C>& a, int64_t h, int64_t r0, int64_t rows,
                                                          (h * group + g) * a.q_head);
     for (int64_t p = 0; p < pairs; ++p) s.qpairs[p * kQueryLanes + m] = qrow[p];
   }
-#ifndef __AVX512BF16__
+#ifdef __AVX512BF16__
+  s.vpairs.resize(kKeyTile / 2 * D);
+#else
   s.qhalves.resize(pairs * 2 * kQueryLanes);
   s.keys.resize(kKeyTile * D);
   s.vhalves.resize(kKeyTile * D);
