@@ -157,6 +157,39 @@ def test_quant_rows_are_the_reference_rows(ops, fmt, dtype, n, k):
     assert torch.equal(ops.quant_rows(qw, torch.arange(n), dtype), qw.rows(torch.arange(n), dtype))
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(1, 1), (65, 33), (130, 70), (300, 576)])
+def test_one_pass_quantization_makes_the_tensor_codes_records(ops, fmt, dtype, n, k):
+    """A float weight (on no grid) quantized at load in one pass by the kernels (`quantize_int8`,
+    `quantize_int4`) gets the records of the tensor code and QuantizedWeight.pack, byte for byte:
+    N and K padded, an all-zero block, a block far from 0 (int4's symmetric fallback), values
+    far below the block's largest (rounding to 0), every input dtype."""
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 0.1
+    w[0, : min(32, k)] = 0
+    if n > 3 and k >= 32:
+        w[3, :32] += 5.0
+    if k > 40:
+        w[1, 32:40] = 1e-6
+    w = w.to(dtype)
+    tensor_code = quantize(w, fmt)
+    one_pass = quantize(w, fmt, ops)
+    assert one_pass.bits == tensor_code.bits == (8 if fmt == "int8" else 4)
+    assert torch.equal(one_pass.packed, tensor_code.packed)
+    assert (one_pass.out_features, one_pass.in_features) == (n, k)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_weight_on_a_grid_is_searched_not_requantized(ops, fmt):
+    """A weight dequantized from an integer grid is not quantized in one pass: its grid is found
+    (`grid_steps`) and it comes back exactly."""
+    g = torch.Generator().manual_seed(3)
+    on_grid = quantize(torch.randn(64, 96, generator=g), fmt).dequantize()
+    assert torch.equal(quantize(on_grid, fmt, ops).dequantize(), on_grid)
+    assert torch.equal(quantize(on_grid, fmt, ops).packed, quantize(on_grid, fmt).packed)
+
+
 def test_quant_rows_refuses_bad_ids(ops):
     qw = quantize(torch.randn(8, 64), "int8")
     with pytest.raises(ValueError, match="id out of range"):

@@ -75,6 +75,18 @@ class LinearOps:
         y: torch.Tensor = self.module.grid_steps(blocks, affine)
         return y
 
+    def quantize_int8(self, weight: torch.Tensor) -> torch.Tensor:
+        """A float weight [N, K] (contiguous) -> its int8 records (QuantizedWeight.packed) as
+        quant.quantize_int8 and QuantizedWeight.pack make them on blocks that lie on no grid."""
+        y: torch.Tensor = self.module.quantize_int8(weight)
+        return y
+
+    def quantize_int4(self, weight: torch.Tensor) -> torch.Tensor:
+        """A float weight [N, K] (contiguous) -> its int4 records (bits 4, integer zero points)
+        as quant.quantize_int4 and QuantizedWeight.pack make them on blocks on no grid."""
+        y: torch.Tensor = self.module.quantize_int4(weight)
+        return y
+
     def pack_vnni(self, weight: torch.Tensor) -> torch.Tensor:
         """bf16 weight [N, K] -> the blocked layout `linear_vnni` reads (N, K padded)."""
         y: torch.Tensor = self.module.pack_vnni(weight)

@@ -38,6 +38,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
+#include <immintrin.h>
 #include <omp.h>
 #include <torch/extension.h>
 
@@ -276,6 +277,152 @@ torch::Tensor grid_steps(torch::Tensor blocks, bool affine) {
         }
       }
     }
+  });
+  return out;
+}
+
+// 8 weights from p (float32, bfloat16 or float16) as floats, exactly
+inline __m256 eight_floats(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 eight_floats(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 eight_floats(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// A float weight [N, K] in int8 as quant.quantize_int8 and QuantizedWeight.pack make it where no
+// block lies on an integer grid (a float checkpoint's): per output and block of 32 along K, d =
+// max|w| / 127 rounded to float16, q = round(w x (1 / d)) half to even (d 0: q 0), clamped to
+// [-128, 127]; records [N / 64, K / 32, 128 + 2048] (linear_quant's layout: the 64 outputs' d,
+// then byte (kq x 4 + c) x 64 + n x 4 + j = q + 128 of output 16 c + n at K 4 kq + j), N and K
+// padded with zeros. The same float operations as the tensor code, in one pass over the weight
+// (AVX2, which both builds have).
+torch::Tensor quantize_int8(torch::Tensor w) {
+  TORCH_CHECK_VALUE(w.dim() == 2 && w.is_contiguous() && w.size(0) > 0 && w.size(1) > 0,
+                    "quantize_int8: weight must be [N, K], contiguous");
+  const int64_t N = w.size(0), K = w.size(1), G = (N + 63) / 64, KB = (K + 31) / 32;
+  constexpr int64_t kRecord = 128 + 2048;
+  auto out = torch::empty({G, KB, kRecord}, w.options().dtype(at::kByte));
+  uint8_t* op = out.data_ptr<uint8_t>();
+  THERMOSTAT_DISPATCH_FLOAT(w.scalar_type(), "quantize_int8", [&] {
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    at::parallel_for(0, G * KB, 64, [&](int64_t b, int64_t e) {
+      alignas(32) scalar_t staged[32];
+      const __m256 sign = _mm256_set1_ps(-0.0f), lo = _mm256_set1_ps(-128.0f),
+                   hi = _mm256_set1_ps(127.0f);
+      const __m256i offset = _mm256_set1_epi32(128);
+      for (int64_t u = b; u < e; ++u) {
+        const int64_t g = u / KB, k0 = (u % KB) * 32, width = std::min<int64_t>(32, K - k0);
+        uint8_t* record = op + u * kRecord;
+        c10::Half* d = reinterpret_cast<c10::Half*>(record);
+        for (int64_t i = 0; i < 64; ++i) {
+          const scalar_t* row = wp + (g * 64 + i) * K + k0;
+          if (g * 64 + i >= N || width < 32) {  // padding: zeros past the weight
+            for (int64_t t = 0; t < 32; ++t) {
+              staged[t] = g * 64 + i < N && t < width ? row[t] : scalar_t(0.0f);
+            }
+            row = staged;
+          }
+          __m256 v[4], top = _mm256_setzero_ps();
+          for (int c = 0; c < 4; ++c) {
+            v[c] = eight_floats(row + 8 * c);
+            top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[c]));
+          }
+          alignas(32) float tops[8];
+          _mm256_store_ps(tops, top);
+          const c10::Half scale(*std::max_element(tops, tops + 8) / 127.0f);
+          const float inv = static_cast<float>(scale) > 0 ? 1.0f / static_cast<float>(scale) : 0.0f;
+          d[i] = scale;
+          alignas(32) int32_t q[32];
+          for (int c = 0; c < 4; ++c) {
+            const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[c], _mm256_set1_ps(inv)),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m256 clamped = _mm256_min_ps(hi, _mm256_max_ps(lo, r));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8 * c),
+                               _mm256_add_epi32(_mm256_cvtps_epi32(clamped), offset));
+          }
+          uint8_t* body = record + 128 + (i / 16) * 64 + (i % 16) * 4;
+          for (int kq = 0; kq < 8; ++kq) {
+            for (int j = 0; j < 4; ++j) body[kq * 256 + j] = static_cast<uint8_t>(q[kq * 4 + j]);
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// A float weight [N, K] in int4 as quant.quantize_int4 and QuantizedWeight.pack (bits 4) make it
+// where no block lies on a grid or on the minimum form: per output and block of 32, d = (max -
+// min) / 15 rounded to float16 and z = round(-min / d) (d 0: 1), or, where z leaves [-128, 127],
+// d = max|w| / 7 rounded to float16 and z = 8; q = round(w x (1 / d)) + z clamped to [0, 15].
+// Records [N / 64, K / 32, 192 + 1024]: the 64 outputs' d (float16) and z (int8), then byte
+// (kq x 4 + c) x 64 + n x 4 + j of output 16 c + n holding K 4 kq + j (low nibble) and 16 + 4 kq
+// + j (high); padding q 0. The same float operations as the tensor code, in one pass.
+torch::Tensor quantize_int4(torch::Tensor w) {
+  TORCH_CHECK_VALUE(w.dim() == 2 && w.is_contiguous() && w.size(0) > 0 && w.size(1) > 0,
+                    "quantize_int4: weight must be [N, K], contiguous");
+  const int64_t N = w.size(0), K = w.size(1), G = (N + 63) / 64, KB = (K + 31) / 32;
+  constexpr int64_t kRecord = 192 + 1024;
+  auto out = torch::empty({G, KB, kRecord}, w.options().dtype(at::kByte));
+  uint8_t* op = out.data_ptr<uint8_t>();
+  THERMOSTAT_DISPATCH_FLOAT(w.scalar_type(), "quantize_int4", [&] {
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    at::parallel_for(0, G * KB, 64, [&](int64_t b, int64_t e) {
+      alignas(32) scalar_t staged[32];
+      const __m256 zero = _mm256_setzero_ps(), top = _mm256_set1_ps(15.0f);
+      for (int64_t u = b; u < e; ++u) {
+        const int64_t g = u / KB, k0 = (u % KB) * 32, width = std::min<int64_t>(32, K - k0);
+        uint8_t* record = op + u * kRecord;
+        c10::Half* d = reinterpret_cast<c10::Half*>(record);
+        int8_t* z = reinterpret_cast<int8_t*>(record + 128);
+        for (int64_t i = 0; i < 64; ++i) {
+          const scalar_t* row = wp + (g * 64 + i) * K + k0;
+          if (g * 64 + i >= N || width < 32) {  // padding: zeros past the weight
+            for (int64_t t = 0; t < 32; ++t) {
+              staged[t] = g * 64 + i < N && t < width ? row[t] : scalar_t(0.0f);
+            }
+            row = staged;
+          }
+          __m256 v[4], least = _mm256_set1_ps(INFINITY), most = _mm256_set1_ps(-INFINITY);
+          for (int c = 0; c < 4; ++c) {
+            v[c] = eight_floats(row + 8 * c);
+            least = _mm256_min_ps(least, v[c]);
+            most = _mm256_max_ps(most, v[c]);
+          }
+          alignas(32) float mins[8], maxs[8];
+          _mm256_store_ps(mins, least);
+          _mm256_store_ps(maxs, most);
+          const float lo = *std::min_element(mins, mins + 8), hi = *std::max_element(maxs, maxs + 8);
+          float span = static_cast<float>(c10::Half((hi - lo) / 15.0f));
+          float zp = std::nearbyint(-lo / (span > 0 ? span : 1.0f));
+          if (zp < -128 || zp > 127) {  // far from 0: symmetric
+            span = static_cast<float>(c10::Half(std::max(std::fabs(lo), std::fabs(hi)) / 7.0f));
+            zp = 8.0f;
+          }
+          const float inv = span > 0 ? 1.0f / span : 0.0f;
+          d[i] = c10::Half(span);
+          z[i] = static_cast<int8_t>(zp);
+          alignas(32) int32_t q[32];
+          for (int c = 0; c < 4; ++c) {
+            const __m256 r = _mm256_add_ps(
+                _mm256_round_ps(_mm256_mul_ps(v[c], _mm256_set1_ps(inv)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                _mm256_set1_ps(zp));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8 * c),
+                               _mm256_cvtps_epi32(_mm256_min_ps(top, _mm256_max_ps(zero, r))));
+          }
+          std::fill(q + width, q + 32, 0);  // K's padding holds q 0, as pack writes it
+          uint8_t* body = record + 192 + (i / 16) * 64 + (i % 16) * 4;
+          for (int kq = 0; kq < 4; ++kq) {
+            for (int j = 0; j < 4; ++j) {
+              body[kq * 256 + j] = static_cast<uint8_t>(q[kq * 4 + j] | (q[16 + kq * 4 + j] << 4));
+            }
+          }
+        }
+      }
+    });
   });
   return out;
 }

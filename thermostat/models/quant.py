@@ -44,6 +44,7 @@ import torch
 from thermostat.models.grids import (
     BLOCK,
     PROBE,
+    grid_step,
     on_minimum_grid,
     quantize_int4,
     quantize_int4_min,
@@ -237,8 +238,12 @@ def _row_major(t: torch.Tensor, n: int) -> torch.Tensor:
 
 def quantize(weight: torch.Tensor, fmt: str, ops: LinearOps | None = None) -> QuantizedWeight:
     """A float weight [N, K] in `fmt` ('int8' or 'int4'); K is padded with zeros to whole blocks.
-    `ops`: the kernels, which find the grids faster (`grid_step`)."""
+    `ops`: the kernels, which find the grids faster (`grid_step`) and quantize a weight on no
+    grid to int8 in one pass (`quantize_int8`: the same records)."""
     n, k = weight.shape
+    if ops is not None and not _searched(weight, fmt, ops):
+        one_pass = ops.quantize_int8 if FORMATS[fmt] == 8 else ops.quantize_int4
+        return QuantizedWeight(FORMATS[fmt], n, k, one_pass(weight.contiguous()))
     parts = [_quantize_rows(weight[r : r + ROWS], fmt, ops) for r in range(0, n, ROWS)]
     q, d = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     if FORMATS[fmt] == 8:
@@ -252,6 +257,25 @@ def quantize(weight: torch.Tensor, fmt: str, ops: LinearOps | None = None) -> Qu
 
 
 ROWS = 4096  # rows quantized at a time: float32 temporaries of a few MB, not of the whole weight
+
+
+def _searched(weight: torch.Tensor, fmt: str, ops: LinearOps) -> bool:
+    """Whether quantizing `weight` searches its blocks' grids or takes int4's minimum form: where
+    the first blocks of some ROWS rows lie on a grid (their PROBE blocks: `grid_steps`) or on the
+    minimum form (int4: `on_minimum_grid`). Where neither, the kernels' `quantize_int8` /
+    `quantize_int4` make the same records in one pass."""
+    per_row = (weight.shape[1] + BLOCK - 1) // BLOCK
+    lead = max((PROBE + per_row - 1) // per_row, PROBE // 2)  # rows both probes read
+    for r in range(0, weight.shape[0], ROWS):
+        rows = weight[r : r + min(lead, ROWS)]
+        padded = torch.zeros(rows.shape[0], per_row * BLOCK)
+        padded[:, : rows.shape[1]] = rows.float()
+        int4 = FORMATS[fmt] != 8
+        if (grid_step(padded.view(-1, BLOCK)[:PROBE], int4, ops) > 0).any():
+            return True
+        if int4 and on_minimum_grid(padded[:, : BLOCK * 2][: PROBE // 2]):
+            return True
+    return False
 
 
 def _quantize_rows(
