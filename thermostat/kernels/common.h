@@ -1,6 +1,8 @@
 // What both kernel builds share (cpu_kernels.cpp for AVX-512, avx2_kernels.cpp for AVX2-only
-// CPUs): the weight layouts, their checks, and the scalar code that reads them. No vector
-// intrinsics here; each build includes this once, inside its own anonymous namespace.
+// CPUs): the weight layouts, their checks, the scalar code that reads them, and the quantizers
+// that write a float weight's int8 / int4 records at load (quantize_int8, quantize_int4: AVX2,
+// which both builds have; no other vector intrinsics here). Each build includes this once,
+// inside its own anonymous namespace.
 //
 // bf16 linear, VNNI layout: weights are packed once (pack_vnni) into 16-column blocks of 32-deep
 // K steps, each step a 16 x 16 x 2 tile: element [nb][ks][kp][n][j] = W[16 nb + n][32 ks + 2 kp
@@ -9,9 +11,10 @@
 //
 // int8 / int4 linear: weights in blocks of 32 along K, per output: int8 (llama.cpp q8_0's
 // arithmetic: w = d q, q in [-128, 127]) or 4-bit (w = d (q - z), q in [0, 15], z an int8 zero
-// point: GPTQ/AWQ's form, which holds q4_0 too), d float16. Packed (in Python,
-// thermostat/models/quant.py) as one record per group g of 64 outputs (4 column blocks c of 16)
-// and K block kb, records in (g, kb) order, so a thread reads its weights as one sequential stream:
+// point: GPTQ/AWQ's form, which holds q4_0 too), d float16. Packed (thermostat/models/quant.py;
+// a float weight by quantize_int8 / quantize_int4) as one record per group g of 64 outputs (4
+// column blocks c of 16) and K block kb, records in (g, kb) order, so a thread reads its weights
+// as one sequential stream:
 //   d      64 float16                      128 bytes, [c][n]
 //   z      64 int8 (int4 only)             64 bytes, [c][n]
 //   int8   [kq 8][c 4][n 16][4] bytes q + 128 (unsigned)                          2048 bytes
