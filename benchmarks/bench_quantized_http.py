@@ -8,6 +8,15 @@ GGUFs vs `thermostat serve` on the same random SmolLM2-135M-shaped weights in bf
 The q4_0 GGUF is made once from the f16 one with llama.cpp's llama-quantize. For each concurrency
 and rep every server runs one load in turn, so machine noise hits all alike; the table gives
 medians and the ratios the issue asks for (int8 / q8_0, int4 / q4_0, int8 / bf16).
+
+With `--gguf FILE` both serve that file instead (a real model: `thermostat serve --model
+smollm2-135m-instruct`'s), Thermostat in the file's own formats, and the prompts are made of the
+file's own tokens:
+
+    GGUF=$(.venv/bin/python -c "from thermostat.engine.loader import resolve_model_path as r
+    print(r('smollm2-135m-instruct'))")
+    .venv/bin/python benchmarks/bench_quantized_http.py --thermostat .venv/bin/thermostat \
+        --gguf "$GGUF"
 """
 
 from __future__ import annotations
@@ -52,6 +61,15 @@ def q4_0_gguf(model: str) -> str:
     return path
 
 
+def gguf_tokenizer_json(gguf: str) -> str:
+    """The file's own tokenizer as a tokenizer.json, which the load client makes prompts with."""
+    from thermostat.models.gguf_reading import cached_tokenizer
+
+    out = Path(PEERS_DIR) / "results" / f"{Path(gguf).stem}.tokenizer.json"
+    cached_tokenizer(Path(gguf)).backend_tokenizer.save(str(out))
+    return str(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--thermostat", required=True, help="path of the thermostat executable")
@@ -63,15 +81,18 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--formats", default="bf16,int8,int4", help="Thermostat's weight formats")
     ap.add_argument("--types", default="q8_0,q4_0", help="llama-server's GGUF types")
+    ap.add_argument("--gguf", help="serve this GGUF file with both servers, as the file stores it")
     a = ap.parse_args()
     concs = [int(c) for c in a.conc.split(",")]
     os.makedirs(os.path.join(PEERS_DIR, "results"), exist_ok=True)
     tok_json = os.path.join(PEERS_DIR, "models", f"{a.model}-fp32", "tokenizer.json")
+    if a.gguf:
+        tok_json, a.types, a.formats = gguf_tokenizer_json(a.gguf), "gguf", "gguf"
     servers = []
     per_slot = max(512, a.prompt_len + a.new_tokens + 64)  # llama-server splits -c among slots
     try:
         for t in a.types.split(","):
-            model = q4_0_gguf(a.model) if t == "q4_0" else gguf_path(a.model, t)
+            model = a.gguf or (q4_0_gguf(a.model) if t == "q4_0" else gguf_path(a.model, t))
             servers.append(start(f"llama-{t}", [
                 os.path.join(BIN_DIR, "llama-server"), "-m", model, "-t", str(a.threads),
                 "-tb", str(a.threads), "-c", str(max(concs) * per_slot), "-np", str(max(concs)),
@@ -80,10 +101,10 @@ def main() -> None:
             servers[-1]["extra"] = {"ignore_eos": True, "cache_prompt": False}
         env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
         for fmt in a.formats.split(","):
-            quant = [] if fmt == "bf16" else ["--quantization", fmt]
+            quant = [] if fmt in ("bf16", "gguf") else ["--quantization", fmt]
+            model = a.gguf or os.path.join(PEERS_DIR, "models", f"{a.model}-bf16")
             servers.append(start(f"thermostat-{fmt}", [
-                a.thermostat, "serve", "--model",
-                os.path.join(PEERS_DIR, "models", f"{a.model}-bf16"), "--port", "{PORT}",
+                a.thermostat, "serve", "--model", model, "--port", "{PORT}",
                 "--served-model-name", "model", "--num-threads", str(a.threads),
                 "--max-num-seqs", str(max(concs)), "--no-enable-prefix-caching", *quant],
                 env=env))  # fmt: skip
@@ -107,8 +128,9 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in rows.items()}
         print("\n| server | " + " | ".join(f"c={c}" for c in concs) + " |")
         print("|---|" + "---|" * len(concs))
+        weights = Path(a.gguf).name if a.gguf else f"{a.model} model"
         table = Table(
-            f"output tok/s, {a.model} model, {a.prompt_len} prompt / {a.new_tokens} new tokens, "
+            f"output tok/s, {weights}, {a.prompt_len} prompt / {a.new_tokens} new tokens, "
             f"streamed, medians of {a.reps}",
             ["server", *(f"c={c}" for c in concs)],
             [],
@@ -119,7 +141,8 @@ def main() -> None:
             table.rows.append([s["name"], *(round(med[(s["name"], c)], 1) for c in concs)])
         names = {s["name"] for s in servers}
         for ours, theirs in (("thermostat-int8", "llama-q8_0"), ("thermostat-int4", "llama-q4_0"),
-                             ("thermostat-int8", "thermostat-bf16")):  # fmt: skip
+                             ("thermostat-int8", "thermostat-bf16"),
+                             ("thermostat-gguf", "llama-gguf")):  # fmt: skip
             if ours in names and theirs in names:
                 print(f"| ratio {ours} / {theirs} | " + " | ".join(
                     f"{med[(ours, c)] / med[(theirs, c)]:.2f}x" for c in concs) + " |")  # fmt: skip
@@ -128,8 +151,10 @@ def main() -> None:
                      *(round(med[(ours, c)] / med[(theirs, c)], 2) for c in concs)]
                 )  # fmt: skip
         record(
-            "bench_quantized_http",
-            "Quantized serving over HTTP: llama-server on q8_0/q4_0 GGUFs vs thermostat serve "
+            "bench_quantized_http_gguf" if a.gguf else "bench_quantized_http",
+            f"A GGUF file over HTTP: llama-server and thermostat serve on {Path(a.gguf).name}"
+            if a.gguf
+            else "Quantized serving over HTTP: llama-server on q8_0/q4_0 GGUFs vs thermostat serve "
             "in bf16/int8/int4, same weights",
             [table],
             threads=a.threads,
