@@ -5,6 +5,7 @@ weights."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -263,6 +264,33 @@ def test_the_header_reads_as_ggufs_own_reader_reads_it(q8_0, tmp_path):
             (t.name, t.data_offset, t.shape.tolist()) for t in theirs.tensors
         ]
     assert ours.fields["test.words"].contents() == ["a", "", "ünï"]
+
+
+def test_transformers_converts_the_file_alike_on_either_reader(q8_0, tmp_path, monkeypatch):
+    """The config and the tokenizer transformers converts from the file on its first start, read
+    through gguf_reading's reader (handed to transformers for the conversion), are what it
+    converts through gguf's own: the same files saved, byte for byte."""
+    path = q8_0[0]
+    saved, readers = {}, []
+    real_init = gguf_reading._ArrayViewReader.__init__
+
+    def counted(self, *args, **kwargs):
+        readers.append(args[0])
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_reading._ArrayViewReader, "__init__", counted)
+    for name, cache in (("ours", tmp_path / "ours"), ("gguf's", tmp_path / "theirs")):
+        monkeypatch.setenv("THERMOSTAT_GGUF_CACHE", str(cache))
+        if name == "gguf's":  # the conversion as transformers runs it unaided
+            monkeypatch.setattr(gguf_reading, "_array_view_reader", contextlib.nullcontext)
+        gguf_reading.cached_config(path)
+        gguf_reading.cached_tokenizer(path)
+        saved[name] = {
+            f.relative_to(cache): f.read_bytes() for f in cache.rglob("*") if f.is_file()
+        }
+        if name == "ours":
+            assert len(readers) >= 2  # the config's conversion and the tokenizer's read through it
+    assert len(saved["ours"]) >= 4 and saved["ours"] == saved["gguf's"]
 
 
 def test_q8_0_is_served_in_int8_with_the_files_integers_and_scales(q8_0):
