@@ -238,10 +238,10 @@ def _row_major(t: torch.Tensor, n: int) -> torch.Tensor:
 
 def quantize(weight: torch.Tensor, fmt: str, ops: LinearOps | None = None) -> QuantizedWeight:
     """A float weight [N, K] in `fmt` ('int8' or 'int4'); K is padded with zeros to whole blocks.
-    `ops`: the kernels, which find the grids faster (`grid_step`) and quantize a weight on no
-    grid to int8 in one pass (`quantize_int8`: the same records)."""
+    `ops`: the kernels, which find the grids faster (`grid_step`) and quantize a float32, bf16 or
+    float16 weight on no grid in one pass (`quantize_int8`, `quantize_int4`: the same records)."""
     n, k = weight.shape
-    if ops is not None and not _searched(weight, fmt, ops):
+    if ops is not None and weight.dtype in ONE_PASS_DTYPES and not _searched(weight, fmt, ops):
         one_pass = ops.quantize_int8 if FORMATS[fmt] == 8 else ops.quantize_int4
         return QuantizedWeight(FORMATS[fmt], n, k, one_pass(weight.contiguous()))
     parts = [_quantize_rows(weight[r : r + ROWS], fmt, ops) for r in range(0, n, ROWS)]
@@ -256,6 +256,7 @@ def quantize(weight: torch.Tensor, fmt: str, ops: LinearOps | None = None) -> Qu
     return QuantizedWeight.pack(q[:, :k], d, torch.cat([p[2] for p in parts]))
 
 
+ONE_PASS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the kernels' quantize_int*
 ROWS = 4096  # rows quantized at a time: float32 temporaries of a few MB, not of the whole weight
 
 
