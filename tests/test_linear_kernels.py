@@ -180,6 +180,27 @@ def test_one_pass_quantization_makes_the_tensor_codes_records(ops, fmt, dtype, n
     assert (one_pass.out_features, one_pass.in_features) == (n, k)
 
 
+@pytest.mark.parametrize("bits", [8, 4, 5])
+@pytest.mark.parametrize("n,k", [(1, 1), (65, 33), (130, 70), (300, 576)])
+def test_records_packed_in_one_pass_are_the_tensor_codes(ops, bits, n, k):
+    """QuantizedWeight.pack with the kernels (`pack_records`, a GGUF file's int8 and int4
+    blocks, a dequantized checkpoint's grid) gives the tensor code's bytes: N and K padded,
+    float32 minimums (rounded to float16 as the tensor code rounds them), every q and scale."""
+    g = torch.Generator().manual_seed(n * 7 + k + bits)
+    kb = (k + 31) // 32
+    if bits == 8:
+        q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    else:
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    d = (torch.rand(n, kb, generator=g) * 0.01).half()
+    z = None if bits == 8 else torch.randint(-128, 128, (n, kb), generator=g, dtype=torch.int8)
+    m = torch.randn(n, kb, generator=g) * 0.1 if bits == 5 else None
+    tensor_code = QuantizedWeight.pack(q, d, z, m)
+    one_pass = QuantizedWeight.pack(q, d, z, m, ops=ops)
+    assert one_pass.bits == tensor_code.bits == bits
+    assert torch.equal(one_pass.packed, tensor_code.packed)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_weight_on_a_grid_is_searched_not_requantized(ops, fmt):
     """A weight dequantized from an integer grid is not quantized in one pass: its grid is found

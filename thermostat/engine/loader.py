@@ -256,7 +256,7 @@ def load_model(
         hold_float32(cast(nn.Module, net))  # the checkpoint's grid, exactly, until quantized
     # the weights a checkpoint stores as the kernels run them (a GGUF file's blocks) served as
     # stored, unless a format was asked for
-    stored = StoredWeights(checkpoint.grid) if quantization is None else None
+    stored = StoredWeights(checkpoint.grid, ops) if quantization is None else None
     stream = LinearsAsLoaded(cast(nn.Module, net), fmt, ops, stored) if fmt and ops else None
     try:
         net.load_weights(trimmed(checkpoint.tensors(grids=stored is not None)), stream)

@@ -87,6 +87,22 @@ class LinearOps:
         y: torch.Tensor = self.module.quantize_int4(weight)
         return y
 
+    def pack_records(
+        self,
+        q: torch.Tensor,
+        d: torch.Tensor,
+        z: torch.Tensor | None,
+        m: torch.Tensor | None,
+        bits: int,
+    ) -> torch.Tensor:
+        """QuantizedWeight.pack's records for format codes 8, 4 and 5 (q int8 / uint8 [N, K];
+        d float16, z int8, m float16 [N, K / 32]; all contiguous), byte for byte."""
+        absent = d.new_empty(0)  # a format without z or m: not read
+        y: torch.Tensor = self.module.pack_records(
+            q, d, absent if z is None else z, absent if m is None else m, bits
+        )
+        return y
+
     def pack_vnni(self, weight: torch.Tensor) -> torch.Tensor:
         """bf16 weight [N, K] -> the blocked layout `linear_vnni` reads (N, K padded)."""
         y: torch.Tensor = self.module.pack_vnni(weight)

@@ -430,6 +430,63 @@ torch::Tensor quantize_int4(torch::Tensor w) {
   return out;
 }
 
+// QuantizedWeight.pack's records for format codes 8, 4 and 5, byte for byte: q [N, K] (int8 for
+// 8, uint8 in [0, 15] for 4 and 5), d [N, K / 32] float16, z int8 (4, 5) and m float16 (5) of the
+// same shape; N padded to 64 rows (d, z, m 0, q 0) and K to 32 (q 0). One pass, where the tensor
+// code made a zero-filled copy and permuted it.
+torch::Tensor pack_records(torch::Tensor q, torch::Tensor d, torch::Tensor z, torch::Tensor m,
+                           int64_t bits) {
+  TORCH_CHECK_VALUE(bits == 8 || bits == 4 || bits == 5, "pack_records: bits must be 8, 4 or 5");
+  TORCH_CHECK_VALUE(q.dim() == 2 && q.is_contiguous() && q.size(0) > 0 && q.size(1) > 0 &&
+                        q.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
+                    "pack_records: q must be [N, K] contiguous, int8 (bits 8) or uint8");
+  const int64_t N = q.size(0), K = q.size(1), G = (N + 63) / 64, KB = (K + 31) / 32;
+  const auto scales = [&](const torch::Tensor& t, at::ScalarType type, bool used, const char* what) {
+    TORCH_CHECK_VALUE(!used || (t.dim() == 2 && t.size(0) == N && t.size(1) == KB &&
+                                t.is_contiguous() && t.scalar_type() == type),
+                      "pack_records: ", what, " must be [N, K / 32] contiguous");
+  };
+  scales(d, at::kHalf, true, "d (float16)");
+  scales(z, at::kChar, bits != 8, "z (int8)");
+  scales(m, at::kHalf, bits == 5, "m (float16)");
+  const int64_t header = bits == 8 ? 128 : (bits == 4 ? 192 : 320);
+  const int64_t record = header + (bits == 8 ? 2048 : 1024);
+  auto out = torch::empty({G, KB, record}, q.options().dtype(at::kByte));
+  const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.data_ptr());
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr());
+  const int8_t* zp = bits == 8 ? nullptr : z.data_ptr<int8_t>();
+  const uint16_t* mp = bits == 5 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr;
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, G * KB, 64, [&](int64_t b, int64_t e) {
+    for (int64_t u = b; u < e; ++u) {
+      const int64_t g = u / KB, kb = u % KB;
+      uint8_t* rec = op + u * record;
+      uint16_t* dr = reinterpret_cast<uint16_t*>(rec);
+      for (int64_t i = 0; i < 64; ++i) {
+        const int64_t row = g * 64 + i;
+        const bool real = row < N;
+        dr[i] = real ? dp[row * KB + kb] : 0;
+        if (bits != 8) rec[128 + i] = real ? static_cast<uint8_t>(zp[row * KB + kb]) : 0;
+        if (bits == 5) reinterpret_cast<uint16_t*>(rec + 192)[i] = real ? mp[row * KB + kb] : 0;
+        uint8_t* body = rec + header + (i / 16) * 64 + (i % 16) * 4;
+        const uint8_t* qr = real ? qp + row * K + kb * 32 : qp;
+        const int64_t width = real ? std::min<int64_t>(32, K - kb * 32) : 0;  // q past it: 0
+        if (bits == 8) {
+          for (int t = 0; t < 32; ++t) {
+            body[(t / 4) * 256 + t % 4] = t < width ? static_cast<uint8_t>(qr[t] + 128) : 128;
+          }
+        } else {
+          for (int t = 0; t < 16; ++t) {
+            const int lo = t < width ? qr[t] : 0, hi = t + 16 < width ? qr[t + 16] : 0;
+            body[(t / 4) * 256 + t % 4] = static_cast<uint8_t>(lo | (hi << 4));
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
 void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, dim] with unit stride");
   TORCH_CHECK_VALUE(t.size(1) % 16 == 0, name, ": dim must be a multiple of 16");

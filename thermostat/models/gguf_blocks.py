@@ -26,6 +26,7 @@ the format that holds them all: `bits` 9 holds every type above exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,6 +34,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize
 
 from thermostat.models.quant import Bits, QuantizedWeight
+
+if TYPE_CHECKING:
+    from thermostat.kernels import LinearOps
 
 # byte offsets in a block: (d, m or dmin, K-quant sub-block scales) as (start, length), or None
 FIELDS: dict[str, tuple[tuple[int, int] | None, ...]] = {
@@ -129,18 +133,21 @@ class BlockGrid:
         w = self.q.view(rows, k // 16, 16).float().mul_(self.d.unsqueeze(-1))
         return w.view(rows, k // 32, 32).add_(self.m.unsqueeze(-1)).view(rows, k)
 
-    def packed(self) -> QuantizedWeight:
-        """The kernels' records in the narrowest format holding every row exactly (the table)."""
+    def packed(self, ops: LinearOps | None = None) -> QuantizedWeight:
+        """The kernels' records in the narrowest format holding every row exactly (the table);
+        `ops`: the kernels, which pack the int8 and int4 records in one pass."""
         bits = NARROW.get(self.qtypes, 9)
         per_32 = self.d[:, 0::2]  # the one d of a block (all but Q6_K)
         if bits == 8:
-            return QuantizedWeight.pack(self.q.to(torch.int8), per_32.half())
+            return QuantizedWeight.pack(self.q.to(torch.int8), per_32.half(), ops=ops)
         if bits == 4:
             z = torch.full_like(per_32, 8, dtype=torch.int8)
-            return QuantizedWeight.pack((self.q + 8).to(torch.uint8), per_32.half(), z)
+            return QuantizedWeight.pack((self.q + 8).to(torch.uint8), per_32.half(), z, ops=ops)
         if bits == 5:
             z = torch.zeros_like(per_32, dtype=torch.int8)
-            return QuantizedWeight.pack(self.q.to(torch.uint8), per_32.half(), z, self.m.half())
+            return QuantizedWeight.pack(
+                self.q.to(torch.uint8), per_32.half(), z, self.m.half(), ops=ops
+            )
         if bits == 6:
             return QuantizedWeight.pack(self.q.to(torch.uint8), per_32, m=self.m, bits=6)
         return QuantizedWeight.pack(self.q.to(torch.int8), self.d, m=self.m, bits=9)

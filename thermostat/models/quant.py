@@ -87,11 +87,13 @@ class QuantizedWeight:
         z: torch.Tensor | None = None,
         m: torch.Tensor | None = None,
         bits: Bits | None = None,
+        ops: LinearOps | None = None,
     ) -> QuantizedWeight:
         """q [N, K] (int8 in [-128, 127] with z None; uint8 in [0, 15] with z), d [N, ceil(K /
         32)] float16, z the same shape int8, m (with z) float16 -> the kernel's layout. `bits` 6
         (q uint8 in [0, 15]) or 9 (q int8, d [N, 2 ceil(K / 32)]: a scale per 16) with d and m
-        float32 and no z."""
+        float32 and no z. `ops`: the kernels, which pack codes 8, 4 and 5 in one pass
+        (`pack_records`: the same bytes)."""
         if bits is None:
             bits = 8 if z is None else (4 if m is None else 5)
         n, k = q.shape
@@ -101,6 +103,18 @@ class QuantizedWeight:
             raise ValueError(f"scales must be [{n}, {scales}] for a [{n}, {k}] weight")
         if bits in FLOAT32_SCALES and (z is not None or m is None or m.shape != (n, kb)):
             raise ValueError(f"bits {bits} takes float32 d and m [{n}, {kb}], no z")
+        one_pass = (
+            ops is not None
+            and bits in (8, 4, 5)
+            and d.dtype == torch.float16
+            and q.dtype == (torch.int8 if bits == 8 else torch.uint8)
+            and (z is None or z.dtype == torch.int8)
+        )
+        if one_pass and ops is not None:
+            minimum = None if m is None else m.half().contiguous()
+            zeros = None if z is None else z.contiguous()
+            records = ops.pack_records(q.contiguous(), d.contiguous(), zeros, minimum, bits)
+            return cls(bits, n, k, records)
         groups = (n + 63) // 64
         full = torch.zeros(groups * 64, kb * BLOCK, dtype=torch.uint8)
         if bits not in NIBBLES:
@@ -247,13 +261,13 @@ def quantize(weight: torch.Tensor, fmt: str, ops: LinearOps | None = None) -> Qu
     parts = [_quantize_rows(weight[r : r + ROWS], fmt, ops) for r in range(0, n, ROWS)]
     q, d = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     if FORMATS[fmt] == 8:
-        return QuantizedWeight.pack(q[:, :k], d)
+        return QuantizedWeight.pack(q[:, :k], d, ops=ops)
     if any(len(p) == 4 for p in parts):  # some rows in the minimum form: all of them in it
         parts = [_quantize_rows(weight[r : r + ROWS], fmt, ops, True) for r in range(0, n, ROWS)]
         q, d = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         z, m = torch.cat([p[2] for p in parts]), torch.cat([p[3] for p in parts])
-        return QuantizedWeight.pack(q[:, :k], d, z, m)
-    return QuantizedWeight.pack(q[:, :k], d, torch.cat([p[2] for p in parts]))
+        return QuantizedWeight.pack(q[:, :k], d, z, m, ops=ops)
+    return QuantizedWeight.pack(q[:, :k], d, torch.cat([p[2] for p in parts]), ops=ops)
 
 
 ONE_PASS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the kernels' quantize_int*

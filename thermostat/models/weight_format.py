@@ -52,8 +52,8 @@ class StoredWeights:
     `grid_of`), found from the checkpoint tensors a module's weight was loaded from (`Sources`,
     recorded as each module completes)."""
 
-    def __init__(self, grid_of: GridOf) -> None:
-        self.grid_of = grid_of
+    def __init__(self, grid_of: GridOf, ops: LinearOps | None = None) -> None:
+        self.grid_of, self.ops = grid_of, ops  # ops: the kernels, which pack the records
         self.sources: Sources = {}
         self.served = 0  # weights packed as stored so far
 
@@ -86,7 +86,7 @@ class StoredWeights:
         if any(g is None for g in grids):
             return None
         self.served += 1
-        return BlockGrid.cat([g for g in grids if g is not None]).packed()
+        return BlockGrid.cat([g for g in grids if g is not None]).packed(self.ops)
 
 
 def _first_row(part: tuple[tuple[int | slice, ...], str]) -> int:
