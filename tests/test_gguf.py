@@ -315,6 +315,21 @@ def test_q8_0_is_served_in_int8_with_the_files_integers_and_scales(q8_0):
     assert torch.equal(embed_q, file_q) and torch.equal(embed_d, file_d)
 
 
+def test_weights_served_as_stored_are_never_made_floats(q8_0, monkeypatch):
+    """The floats of a quantized tensor are made only for a module the model keeps in floats:
+    no projection of a file served as stored is dequantized at load (the embeddings, which the
+    loader's stream leaves for later, still are), and the model is the same."""
+    made: list[tuple[int, ...]] = []
+    real = BlockGrid.dequantize
+    monkeypatch.setattr(
+        BlockGrid, "dequantize", lambda self: made.append(tuple(self.q.shape)) or real(self)
+    )
+    loaded = load_model(q8_0[0])
+    vocab, hidden = loaded.model.embed_tokens.weight.out_features, loaded.config.hidden_size
+    assert made == [(vocab, hidden)]  # the embeddings' table alone
+    assert loaded.weight_format == "int8"
+
+
 def test_logits_match_transformers_on_the_files_weights(q8_0, tmp_path):
     path, dequantized, src = q8_0
     assert_logits_close(path, write_reference(src, tmp_path / "ref", dequantized))

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 from thermostat.models.gguf_blocks import BlockGrid
 from thermostat.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
 from thermostat.models.quantized_checkpoints import WeightReader, weight_reader
+from thermostat.models.weights import Loaded
 
 
 class ModelLoadError(ValueError):
@@ -44,7 +45,7 @@ class Checkpoint(Protocol):
     def source(self) -> str:
         """What the checkpoint holds: 'safetensors bfloat16', 'gptq 4-bit g128', 'gguf Q8_0'."""
 
-    def tensors(self, grids: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, grids: bool = False) -> Iterator[tuple[str, Loaded]]:
         """(name, float tensor) one at a time; `grids`: keep the blocks of those the kernels run
         as stored, for `grid`."""
 
@@ -98,7 +99,7 @@ class HFCheckpoint:
         declared = getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None)
         return f"safetensors {str(declared or 'float32').removeprefix('torch.')}"
 
-    def tensors(self, grids: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, grids: bool = False) -> Iterator[tuple[str, Loaded]]:
         stored = iter_tensors(weight_files(self.directory))
         return stored if self.reader is None else self.reader.read(stored)
 

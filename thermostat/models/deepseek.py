@@ -40,7 +40,7 @@ from thermostat.models.mla import MLAArch, MLAttention
 from thermostat.models.moe import MoEArch, SparseMoE, expert_target
 from thermostat.models.next_n import NextNLayer, next_n_name
 from thermostat.models.rope import rope_parameters
-from thermostat.models.weights import Index, gate_up_target
+from thermostat.models.weights import Index, Loaded, gate_up_target
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -186,7 +186,7 @@ class DeepseekModel(DecoderStack[DeepseekArch]):
         return KVCacheSpec(self.arch.num_layers + self.arch.num_next_n, block_size, (latent,))
 
     def load_weights(
-        self, tensors: Iterable[tuple[str, torch.Tensor]], filled: Filled | None = None
+        self, tensors: Iterable[tuple[str, Loaded]], filled: Filled | None = None
     ) -> None:
         """Per-expert or fused experts; gate/up fused at load. Layers past num_hidden_layers
         (multi-token prediction) load into `next_n` when it was built, else are skipped and
@@ -194,7 +194,7 @@ class DeepseekModel(DecoderStack[DeepseekArch]):
         skipped: set[int] = set()
         first, built = self.arch.num_layers, self.arch.num_layers + self.arch.num_next_n
 
-        def main_layers() -> Iterator[tuple[str, torch.Tensor]]:
+        def main_layers() -> Iterator[tuple[str, Loaded]]:
             for hf_name, tensor in tensors:
                 name = hf_name.removeprefix("model.")
                 layer = _LAYER.match(name)

@@ -42,7 +42,7 @@ from thermostat.models.moe import Experts, MoEArch, Router, expert_target, score
 from thermostat.models.v4_attention import Fp32RMSNorm, Tables, V4Attention, V4AttentionArch
 from thermostat.models.v4_cache import v4_cache_spec
 from thermostat.models.v4_step import V4Step
-from thermostat.models.weights import Index, gate_up_target
+from thermostat.models.weights import Index, Loaded, gate_up_target
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -258,7 +258,7 @@ class DeepseekV4Model(DecoderStack[V4Arch]):
         return hidden
 
     def load_weights(
-        self, tensors: Iterable[tuple[str, torch.Tensor]], filled: Filled | None = None
+        self, tensors: Iterable[tuple[str, Loaded]], filled: Filled | None = None
     ) -> None:
         """DeepSeek's official names, transformers' and save_pretrained's hybrid of the two
         (thermostat.models.deepseek_v4_names); multi-token-prediction layers skipped, logged."""

@@ -48,7 +48,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import torch
+from thermostat.models.weights import Loaded
 
 logger = logging.getLogger("thermostat.models")
 
@@ -134,8 +134,8 @@ def hf_name(name: str) -> str | None:
 
 
 def hf_names(
-    tensors: Iterable[tuple[str, torch.Tensor]],
-) -> Iterator[tuple[str, torch.Tensor]]:
+    tensors: Iterable[tuple[str, Loaded]],
+) -> Iterator[tuple[str, Loaded]]:
     """Checkpoint tensors (official, transformers or save_pretrained names) -> transformers
     names, tensors untouched; `mtp.*` tensors are dropped and the skipped MTP layers logged once
     (logger "thermostat.models") when the iteration ends."""

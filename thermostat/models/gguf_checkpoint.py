@@ -69,6 +69,7 @@ from thermostat.models.gguf_reading import (
     cached_tokenizer,
     read_header,
 )
+from thermostat.models.weights import Deferred, Loaded
 
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 # the GGML types served with a 4-bit body (the others with an int8 one: gguf_blocks' table)
@@ -177,11 +178,12 @@ class GGUFCheckpoint:
         config: dict[str, Any] = self.config.to_dict()
         return config
 
-    def tensors(self, grids: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, grids: bool = False) -> Iterator[tuple[str, Loaded]]:
         """(Hugging Face name, float32 tensor), one tensor of the file at a time; a stacked
         experts tensor [E, ...] as one tensor per expert. A quantized tensor's blocks are read
-        once (BlockGrid) and its floats made from them; `grids`: kept for `grid`. ValueError
-        naming a tensor the model has no name for."""
+        once (BlockGrid) and its floats made from them; `grids`: the blocks kept for `grid`, and
+        the floats Deferred (made only for a weight the model does not serve as its blocks).
+        ValueError naming a tensor the model has no name for."""
         names = cached_names(self.path, self._hf_names)
         heads = {
             "attn_q": self.config.num_attention_heads,
@@ -199,24 +201,29 @@ class GGUFCheckpoint:
                 raise ValueError(f"{self.path}: tensor {tensor.name} has no place in the model")
             kind = tensor.name.split(".")[-2] if tensor.name.startswith("blk.") else ""
             permuted = heads[kind] if self.architecture == "llama" and kind in heads else None
+            # llama.cpp's converter stored Gemma's norms as 1 + w
+            plus_one = self.architecture in NORMS_PLUS_ONE and tensor.name.endswith("norm.weight")
             if tensor.tensor_type.name in EXACT_TYPES:
                 grid = BlockGrid.read(tensor.data, tensor.tensor_type.name)
                 if permuted is not None:
                     grid = grid.rows(unpermute_rows(torch.arange(len(grid.q)), permuted))
                 if grids:
                     self.grids[names[tensor.name]] = grid
+                if grids and not plus_one:  # its floats made only if the model keeps them
+                    yield names[tensor.name], Deferred(grid.q.shape, grid.dequantize)
+                    continue
                 values = grid.dequantize()
             else:
                 values = torch.from_numpy(dequantized(tensor.data, tensor.tensor_type))
                 if permuted is not None:
                     values = unpermute_rows(values, permuted)
-            if self.architecture in NORMS_PLUS_ONE and tensor.name.endswith("norm.weight"):
-                values = values - 1.0  # llama.cpp's converter stored Gemma's norms as 1 + w
+            if plus_one:
+                values = values - 1.0
             yield names[tensor.name], values
 
     def _experts(
         self, tensor: ReaderTensor, match: re.Match[str], grids: bool
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    ) -> Iterator[tuple[str, Loaded]]:
         """A stacked experts tensor [E, ...] as one (name, float32 tensor) per expert; a
         quantized one's blocks read per expert (kept for `grid` with `grids`)."""
         prefix = f"model.layers.{match['layer']}.mlp.experts"
@@ -229,7 +236,7 @@ class GGUFCheckpoint:
             grid = BlockGrid.read(blocks, tensor.tensor_type.name)
             if grids:
                 self.grids[name] = grid
-            yield name, grid.dequantize()
+            yield name, Deferred(grid.q.shape, grid.dequantize) if grids else grid.dequantize()
 
     def _hf_names(self) -> dict[str, str]:
         """GGUF tensor name -> the Hugging Face name, through gguf's name map over the names of

@@ -19,7 +19,13 @@ from thermostat.models.attention import AttentionMetadata
 from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.linear import PackedEmbedding, PackedLinear, pack_linears
 from thermostat.models.rope import RotaryEmbedding
-from thermostat.models.weights import Index, ParameterFiller, Sources, empty_parameters
+from thermostat.models.weights import (
+    Index,
+    Loaded,
+    ParameterFiller,
+    Sources,
+    empty_parameters,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -267,14 +273,14 @@ class DecoderStack(nn.Module, Generic[A]):
         return logits.float()
 
     def load_weights(
-        self, tensors: Iterable[tuple[str, torch.Tensor]], filled: Filled | None = None
+        self, tensors: Iterable[tuple[str, Loaded]], filled: Filled | None = None
     ) -> None:
         """Hugging Face names (a `model.` prefix dropped, rotary tables and a tied LM head's copy
         skipped) into the parameters `_target` names, then `_finish_loading` and the linears
         packed. Raises ValueError naming any missing, unexpected or misshapen parameter.
         `filled(path, sources)` is called with each module whose parameters are all loaded, as
         soon as they are, and where its checkpoint tensors went; it returns whether it replaced
-        the module (which this then lets go of)."""
+        the module (which this then lets go of: its Deferred tensors are never made)."""
         filler = ParameterFiller(self)
         for hf_name, tensor in tensors:
             name = hf_name.removeprefix("model.")
@@ -283,9 +289,12 @@ class DecoderStack(nn.Module, Generic[A]):
             param, index = self._target(name)
             filler.copy(param, tensor, index, hf_name)
             owner = param.rpartition(".")[0]
-            complete = filled is not None and filler.owner_complete(owner)
-            if complete and filled is not None and filled(owner, filler.sources_of(owner)):
-                filler.release(owner)
+            if filled is not None and filler.owner_complete(owner):
+                if filled(owner, filler.sources_of(owner)):
+                    filler.release(owner)
+                else:
+                    filler.materialize(owner)
+        filler.materialize()
         filler.check_complete()
         self._finish_loading()
         pack_linears(self, self.ops)

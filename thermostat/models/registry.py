@@ -23,6 +23,7 @@ from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import KVCacheSpec
 from thermostat.models.layers import Filled
 from thermostat.models.llama import LlamaFamilyModel
+from thermostat.models.weights import Loaded
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -90,7 +91,7 @@ class CausalLM(Protocol):
 
     def load_weights(
         self,
-        tensors: Iterable[tuple[str, torch.Tensor]],
+        tensors: Iterable[tuple[str, Loaded]],
         filled: Filled | None = None,
     ) -> None:
         """Hugging Face parameter names and tensors; ValueError naming a missing, unexpected or

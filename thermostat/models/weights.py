@@ -7,7 +7,9 @@ never stores one element twice, so that is the completeness check for fused para
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -40,19 +42,37 @@ def _fused(name: str, fused: str, parts: dict[str, slice]) -> tuple[str, Index] 
     return None
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """A checkpoint tensor made only if a parameter keeps it: its shape, and how to make it (a
+    GGUF block grid's floats, which a weight served as its blocks never needs)."""
+
+    shape: torch.Size
+    make: Callable[[], torch.Tensor]
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+Loaded = torch.Tensor | Deferred  # what a checkpoint hands the model for one of its tensors
+
+
 class ParameterFiller:
     """Copies into `module`'s parameters by name; ValueError naming an unexpected or misshapen
-    tensor, and (`check_complete`) any parameter left short."""
+    tensor, and (`check_complete`) any parameter left short. A `Deferred` tensor counts as
+    loaded at once and is made and copied by `materialize`, unless its module is released
+    first (replaced: the weight is served from what the Deferred was made from)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.params = dict(module.named_parameters())
         self.sizes = {n: p.numel() for n, p in self.params.items()}
         self.filled = dict.fromkeys(self.params, 0)
         self.sources: Sources = {}
+        self.pending: dict[str, list[tuple[Index, Deferred]]] = {}
 
-    def copy(self, name: str, tensor: torch.Tensor, index: Index = (), hf_name: str = "") -> None:
-        """`tensor` into parameter `name` at `index`; `hf_name` (the checkpoint's name) for
-        messages."""
+    def copy(self, name: str, tensor: Loaded, index: Index = (), hf_name: str = "") -> None:
+        """`tensor` into parameter `name` at `index` (a Deferred one when `materialize`d);
+        `hf_name` (the checkpoint's name) for messages."""
         hf_name = hf_name or name
         if name not in self.params:
             raise ValueError(f"checkpoint: unexpected parameter {hf_name}")
@@ -63,9 +83,20 @@ class ParameterFiller:
                 f"checkpoint: {hf_name} has shape {tuple(tensor.shape)}, "
                 f"expected {tuple(target.shape)}"
             )
-        target.copy_(tensor)
+        if isinstance(tensor, Deferred):
+            self.pending.setdefault(name, []).append((index, tensor))
+        else:
+            target.copy_(tensor)
         self.filled[name] += tensor.numel()
         self.sources.setdefault(name, []).append((index, hf_name))
+
+    def materialize(self, owner: str | None = None) -> None:
+        """Make and copy the Deferred tensors of module `owner`'s own parameters (None: all)."""
+        names = [n for n in self.pending if owner is None or n.rpartition(".")[0] == owner]
+        for name in names:
+            for index, deferred in self.pending.pop(name):
+                target = self.params[name].detach()
+                (target[index] if index else target).copy_(deferred.make())
 
     def sources_of(self, owner: str) -> Sources:
         """Module `owner`'s own parameters' checkpoint tensors (`Sources`), by parameter name."""
@@ -82,6 +113,7 @@ class ParameterFiller:
         for name in [n for n in self.params if n.rpartition(".")[0] == owner]:
             del self.params[name]
             self.sources.pop(name, None)
+            self.pending.pop(name, None)
 
     def check_complete(self) -> None:
         missing = sorted(n for n, size in self.sizes.items() if self.filled[n] < size)
