@@ -294,61 +294,36 @@ inline __m256 eight_floats(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// A float weight [N, K] in int8 as quant.quantize_int8 and QuantizedWeight.pack make it where no
-// block lies on an integer grid (a float checkpoint's): per output and block of 32 along K, d =
-// max|w| / 127 rounded to float16, q = round(w x (1 / d)) half to even (d 0: q 0), clamped to
-// [-128, 127]; records [N / 64, K / 32, 128 + 2048] (linear_quant's layout: the 64 outputs' d,
-// then byte (kq x 4 + c) x 64 + n x 4 + j = q + 128 of output 16 c + n at K 4 kq + j), N and K
-// padded with zeros. The same float operations as the tensor code, in one pass over the weight
-// (AVX2, which both builds have).
-torch::Tensor quantize_int8(torch::Tensor w) {
-  TORCH_CHECK_VALUE(w.dim() == 2 && w.is_contiguous() && w.size(0) > 0 && w.size(1) > 0,
-                    "quantize_int8: weight must be [N, K], contiguous");
+// A float weight [N, K] (float32, bfloat16 or float16, contiguous) into records [N / 64, K / 32,
+// kRecord] of linear_quant's layout, one pass: for each record (64 outputs x a block of 32 along
+// K) and each of its outputs i, `row(record, i, v, width)` gets the output's 32 weights as floats
+// (zeros past N and K; `width` of them real) and writes its scales and its bytes, byte (kq x 4 +
+// c) x 64 + n x 4 + j of the body for output i = 16 c + n (`body_of`).
+template <int64_t kRecord, typename Row>
+torch::Tensor quantized_records(const torch::Tensor& w, const char* name, Row&& row) {
+  TORCH_CHECK_VALUE(w.dim() == 2 && w.is_contiguous() && w.size(0) > 0 && w.size(1) > 0, name,
+                    ": weight must be [N, K], contiguous");
   const int64_t N = w.size(0), K = w.size(1), G = (N + 63) / 64, KB = (K + 31) / 32;
-  constexpr int64_t kRecord = 128 + 2048;
   auto out = torch::empty({G, KB, kRecord}, w.options().dtype(at::kByte));
   uint8_t* op = out.data_ptr<uint8_t>();
-  THERMOSTAT_DISPATCH_FLOAT(w.scalar_type(), "quantize_int8", [&] {
+  THERMOSTAT_DISPATCH_FLOAT(w.scalar_type(), name, [&] {
     const scalar_t* wp = w.data_ptr<scalar_t>();
     at::parallel_for(0, G * KB, 64, [&](int64_t b, int64_t e) {
       alignas(32) scalar_t staged[32];
-      const __m256 sign = _mm256_set1_ps(-0.0f), lo = _mm256_set1_ps(-128.0f),
-                   hi = _mm256_set1_ps(127.0f);
-      const __m256i offset = _mm256_set1_epi32(128);
       for (int64_t u = b; u < e; ++u) {
         const int64_t g = u / KB, k0 = (u % KB) * 32, width = std::min<int64_t>(32, K - k0);
-        uint8_t* record = op + u * kRecord;
-        c10::Half* d = reinterpret_cast<c10::Half*>(record);
         for (int64_t i = 0; i < 64; ++i) {
-          const scalar_t* row = wp + (g * 64 + i) * K + k0;
-          if (g * 64 + i >= N || width < 32) {  // padding: zeros past the weight
+          const bool real = g * 64 + i < N;
+          const scalar_t* weights = real ? wp + (g * 64 + i) * K + k0 : staged;
+          if (!real || width < 32) {  // padding: zeros past the weight
             for (int64_t t = 0; t < 32; ++t) {
-              staged[t] = g * 64 + i < N && t < width ? row[t] : scalar_t(0.0f);
+              staged[t] = real && t < width ? weights[t] : scalar_t(0.0f);
             }
-            row = staged;
+            weights = staged;
           }
-          __m256 v[4], top = _mm256_setzero_ps();
-          for (int c = 0; c < 4; ++c) {
-            v[c] = eight_floats(row + 8 * c);
-            top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[c]));
-          }
-          alignas(32) float tops[8];
-          _mm256_store_ps(tops, top);
-          const c10::Half scale(*std::max_element(tops, tops + 8) / 127.0f);
-          const float inv = static_cast<float>(scale) > 0 ? 1.0f / static_cast<float>(scale) : 0.0f;
-          d[i] = scale;
-          alignas(32) int32_t q[32];
-          for (int c = 0; c < 4; ++c) {
-            const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[c], _mm256_set1_ps(inv)),
-                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            const __m256 clamped = _mm256_min_ps(hi, _mm256_max_ps(lo, r));
-            _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8 * c),
-                               _mm256_add_epi32(_mm256_cvtps_epi32(clamped), offset));
-          }
-          uint8_t* body = record + 128 + (i / 16) * 64 + (i % 16) * 4;
-          for (int kq = 0; kq < 8; ++kq) {
-            for (int j = 0; j < 4; ++j) body[kq * 256 + j] = static_cast<uint8_t>(q[kq * 4 + j]);
-          }
+          __m256 v[4];
+          for (int c = 0; c < 4; ++c) v[c] = eight_floats(weights + 8 * c);
+          row(op + u * kRecord, i, v, width);
         }
       }
     });
@@ -356,78 +331,81 @@ torch::Tensor quantize_int8(torch::Tensor w) {
   return out;
 }
 
-// A float weight [N, K] in int4 as quant.quantize_int4 and QuantizedWeight.pack (bits 4) make it
-// where no block lies on a grid or on the minimum form: per output and block of 32, d = (max -
-// min) / 15 rounded to float16 and z = round(-min / d) (d 0: 1), or, where z leaves [-128, 127],
-// d = max|w| / 7 rounded to float16 and z = 8; q = round(w x (1 / d)) + z clamped to [0, 15].
-// Records [N / 64, K / 32, 192 + 1024]: the 64 outputs' d (float16) and z (int8), then byte
-// (kq x 4 + c) x 64 + n x 4 + j of output 16 c + n holding K 4 kq + j (low nibble) and 16 + 4 kq
-// + j (high); padding q 0. The same float operations as the tensor code, in one pass.
-torch::Tensor quantize_int4(torch::Tensor w) {
-  TORCH_CHECK_VALUE(w.dim() == 2 && w.is_contiguous() && w.size(0) > 0 && w.size(1) > 0,
-                    "quantize_int4: weight must be [N, K], contiguous");
-  const int64_t N = w.size(0), K = w.size(1), G = (N + 63) / 64, KB = (K + 31) / 32;
-  constexpr int64_t kRecord = 192 + 1024;
-  auto out = torch::empty({G, KB, kRecord}, w.options().dtype(at::kByte));
-  uint8_t* op = out.data_ptr<uint8_t>();
-  THERMOSTAT_DISPATCH_FLOAT(w.scalar_type(), "quantize_int4", [&] {
-    const scalar_t* wp = w.data_ptr<scalar_t>();
-    at::parallel_for(0, G * KB, 64, [&](int64_t b, int64_t e) {
-      alignas(32) scalar_t staged[32];
-      const __m256 zero = _mm256_setzero_ps(), top = _mm256_set1_ps(15.0f);
-      for (int64_t u = b; u < e; ++u) {
-        const int64_t g = u / KB, k0 = (u % KB) * 32, width = std::min<int64_t>(32, K - k0);
-        uint8_t* record = op + u * kRecord;
-        c10::Half* d = reinterpret_cast<c10::Half*>(record);
-        int8_t* z = reinterpret_cast<int8_t*>(record + 128);
-        for (int64_t i = 0; i < 64; ++i) {
-          const scalar_t* row = wp + (g * 64 + i) * K + k0;
-          if (g * 64 + i >= N || width < 32) {  // padding: zeros past the weight
-            for (int64_t t = 0; t < 32; ++t) {
-              staged[t] = g * 64 + i < N && t < width ? row[t] : scalar_t(0.0f);
-            }
-            row = staged;
-          }
-          __m256 v[4], least = _mm256_set1_ps(INFINITY), most = _mm256_set1_ps(-INFINITY);
-          for (int c = 0; c < 4; ++c) {
-            v[c] = eight_floats(row + 8 * c);
-            least = _mm256_min_ps(least, v[c]);
-            most = _mm256_max_ps(most, v[c]);
-          }
-          alignas(32) float mins[8], maxs[8];
-          _mm256_store_ps(mins, least);
-          _mm256_store_ps(maxs, most);
-          const float lo = *std::min_element(mins, mins + 8), hi = *std::max_element(maxs, maxs + 8);
-          float span = static_cast<float>(c10::Half((hi - lo) / 15.0f));
-          float zp = std::nearbyint(-lo / (span > 0 ? span : 1.0f));
-          if (zp < -128 || zp > 127) {  // far from 0: symmetric
-            span = static_cast<float>(c10::Half(std::max(std::fabs(lo), std::fabs(hi)) / 7.0f));
-            zp = 8.0f;
-          }
-          const float inv = span > 0 ? 1.0f / span : 0.0f;
-          d[i] = c10::Half(span);
-          z[i] = static_cast<int8_t>(zp);
-          alignas(32) int32_t q[32];
-          for (int c = 0; c < 4; ++c) {
-            const __m256 r = _mm256_add_ps(
-                _mm256_round_ps(_mm256_mul_ps(v[c], _mm256_set1_ps(inv)),
-                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                _mm256_set1_ps(zp));
-            _mm256_store_si256(reinterpret_cast<__m256i*>(q + 8 * c),
-                               _mm256_cvtps_epi32(_mm256_min_ps(top, _mm256_max_ps(zero, r))));
-          }
-          std::fill(q + width, q + 32, 0);  // K's padding holds q 0, as pack writes it
-          uint8_t* body = record + 192 + (i / 16) * 64 + (i % 16) * 4;
-          for (int kq = 0; kq < 4; ++kq) {
-            for (int j = 0; j < 4; ++j) {
-              body[kq * 256 + j] = static_cast<uint8_t>(q[kq * 4 + j] | (q[16 + kq * 4 + j] << 4));
-            }
-          }
-        }
-      }
-    });
+inline uint8_t* body_of(uint8_t* record, int64_t header, int64_t i) {
+  return record + header + (i / 16) * 64 + (i % 16) * 4;
+}
+
+inline float horizontal(__m256 x, bool most) {  // the largest (or least) of x's 8 lanes
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, x);
+  return most ? *std::max_element(lanes, lanes + 8) : *std::min_element(lanes, lanes + 8);
+}
+
+// round(v x inv) (+ z), half to even, clamped to [lo, hi], as int32 q[32] (+ `offset`)
+inline void rounded(const __m256 (&v)[4], float inv, float z, float lo, float hi, int32_t offset,
+                    int32_t (&q)[32]) {
+  for (int c = 0; c < 4; ++c) {
+    const __m256 r = _mm256_add_ps(_mm256_round_ps(_mm256_mul_ps(v[c], _mm256_set1_ps(inv)),
+                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                   _mm256_set1_ps(z));
+    const __m256 clamped = _mm256_min_ps(_mm256_set1_ps(hi), _mm256_max_ps(_mm256_set1_ps(lo), r));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * c),
+                        _mm256_add_epi32(_mm256_cvtps_epi32(clamped), _mm256_set1_epi32(offset)));
+  }
+}
+
+// A float weight in int8 as quant.quantize_int8 and QuantizedWeight.pack make it where no block
+// lies on an integer grid (a float checkpoint's): per output and block of 32 along K, d = max|w|
+// / 127 rounded to float16, q = round(w x (1 / d)) half to even (d 0: q 0), clamped to [-128,
+// 127]; records of 128 + 2048 bytes (the 64 outputs' d, then q + 128). The same float operations
+// as the tensor code (AVX2, which both builds have).
+torch::Tensor quantize_int8(torch::Tensor w) {
+  return quantized_records<128 + 2048>(w, "quantize_int8", [](uint8_t* record, int64_t i,
+                                                              const __m256 (&v)[4], int64_t) {
+    __m256 top = _mm256_setzero_ps();
+    for (int c = 0; c < 4; ++c) top = _mm256_max_ps(top, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[c]));
+    const c10::Half scale(horizontal(top, true) / 127.0f);
+    const float inv = static_cast<float>(scale) > 0 ? 1.0f / static_cast<float>(scale) : 0.0f;
+    reinterpret_cast<c10::Half*>(record)[i] = scale;
+    alignas(32) int32_t q[32];
+    rounded(v, inv, 0.0f, -128.0f, 127.0f, 128, q);
+    uint8_t* body = body_of(record, 128, i);
+    for (int t = 0; t < 32; ++t) body[(t / 4) * 256 + t % 4] = static_cast<uint8_t>(q[t]);
   });
-  return out;
+}
+
+// A float weight in int4 as quant.quantize_int4 and QuantizedWeight.pack (bits 4) make it where
+// no block lies on a grid or on the minimum form: per output and block of 32, d = (max - min) /
+// 15 rounded to float16 and z = round(-min / d) (d 0: 1), or, where z leaves [-128, 127], d =
+// max|w| / 7 rounded to float16 and z = 8; q = round(w x (1 / d)) + z clamped to [0, 15].
+// Records of 192 + 1024 bytes: the 64 outputs' d (float16) and z (int8), then bytes holding K 4
+// kq + j (low nibble) and 16 + 4 kq + j (high); padding q 0. The tensor code's float operations.
+torch::Tensor quantize_int4(torch::Tensor w) {
+  return quantized_records<192 + 1024>(w, "quantize_int4", [](uint8_t* record, int64_t i,
+                                                              const __m256 (&v)[4], int64_t width) {
+    __m256 least = _mm256_set1_ps(INFINITY), most = _mm256_set1_ps(-INFINITY);
+    for (int c = 0; c < 4; ++c) {
+      least = _mm256_min_ps(least, v[c]);
+      most = _mm256_max_ps(most, v[c]);
+    }
+    const float lo = horizontal(least, false), hi = horizontal(most, true);
+    float span = static_cast<float>(c10::Half((hi - lo) / 15.0f));
+    float zp = std::nearbyint(-lo / (span > 0 ? span : 1.0f));
+    if (zp < -128 || zp > 127) {  // far from 0: symmetric
+      span = static_cast<float>(c10::Half(std::max(std::fabs(lo), std::fabs(hi)) / 7.0f));
+      zp = 8.0f;
+    }
+    const float inv = span > 0 ? 1.0f / span : 0.0f;
+    reinterpret_cast<c10::Half*>(record)[i] = c10::Half(span);
+    reinterpret_cast<int8_t*>(record + 128)[i] = static_cast<int8_t>(zp);
+    alignas(32) int32_t q[32];
+    rounded(v, inv, zp, 0.0f, 15.0f, 0, q);
+    std::fill(q + width, q + 32, 0);  // K's padding holds q 0, as pack writes it
+    uint8_t* body = body_of(record, 192, i);
+    for (int t = 0; t < 16; ++t) {
+      body[(t / 4) * 256 + t % 4] = static_cast<uint8_t>(q[t] | (q[16 + t] << 4));
+    }
+  });
 }
 
 // QuantizedWeight.pack's records for format codes 8, 4 and 5, byte for byte: q [N, K] (int8 for
@@ -468,7 +446,7 @@ torch::Tensor pack_records(torch::Tensor q, torch::Tensor d, torch::Tensor z, to
         dr[i] = real ? dp[row * KB + kb] : 0;
         if (bits != 8) rec[128 + i] = real ? static_cast<uint8_t>(zp[row * KB + kb]) : 0;
         if (bits == 5) reinterpret_cast<uint16_t*>(rec + 192)[i] = real ? mp[row * KB + kb] : 0;
-        uint8_t* body = rec + header + (i / 16) * 64 + (i % 16) * 4;
+        uint8_t* body = body_of(rec, header, i);
         const uint8_t* qr = real ? qp + row * K + kb * 32 : qp;
         const int64_t width = real ? std::min<int64_t>(32, K - kb * 32) : 0;  // q past it: 0
         if (bits == 8) {
