@@ -284,13 +284,13 @@ torch::Tensor grid_steps(torch::Tensor blocks, bool affine) {
   return out;
 }
 
-// 8 weights from p (float32, bfloat16 or float16) as floats, exactly
-inline __m256 eight_floats(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 eight_floats(const c10::BFloat16* p) {
+// 8 values from p (float32, bfloat16 or float16) as floats, exactly (the AVX2 build's loads too)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
-inline __m256 eight_floats(const c10::Half* p) {
+inline __m256 load8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
@@ -322,7 +322,7 @@ torch::Tensor quantized_records(const torch::Tensor& w, const char* name, Row&& 
             weights = staged;
           }
           __m256 v[4];
-          for (int c = 0; c < 4; ++c) v[c] = eight_floats(weights + 8 * c);
+          for (int c = 0; c < 4; ++c) v[c] = load8(weights + 8 * c);
           row(op + u * kRecord, i, v, width);
         }
       }
