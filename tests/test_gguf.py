@@ -29,9 +29,10 @@ from thermostat import LLM, SamplingParams, kernels
 from thermostat.api.defaults import DefaultsReport
 from thermostat.cli import main
 from thermostat.engine.loader import load_model, model_config_dict, resolve_model_path
-from thermostat.models import gguf_reading
+from thermostat.models import gguf_checkpoint, gguf_reading
 from thermostat.models.gguf_blocks import BlockGrid
 from thermostat.models.gguf_checkpoint import GGUFCheckpoint
+from thermostat.models.linear import QuantEmbedding
 from thermostat.models.quant import reference_linear
 from thermostat.random_model import write_model
 from thermostat.sampling import Policy
@@ -317,17 +318,57 @@ def test_q8_0_is_served_in_int8_with_the_files_integers_and_scales(q8_0):
 
 def test_weights_served_as_stored_are_never_made_floats(q8_0, monkeypatch):
     """The floats of a quantized tensor are made only for a module the model keeps in floats:
-    no projection of a file served as stored is dequantized at load (the embeddings, which the
-    loader's stream leaves for later, still are), and the model is the same."""
+    nothing of a file served as stored is dequantized at load, the embeddings' table included
+    (served from its blocks as soon as it is read), and the file's pages are let go of as each
+    tensor is read."""
     made: list[tuple[int, ...]] = []
     real = BlockGrid.dequantize
     monkeypatch.setattr(
         BlockGrid, "dequantize", lambda self: made.append(tuple(self.q.shape)) or real(self)
     )
+    released: list[str] = []
+    monkeypatch.setattr(
+        gguf_checkpoint, "release_pages", lambda reader, tensor: released.append(tensor.name)
+    )
     loaded = load_model(q8_0[0])
-    vocab, hidden = loaded.model.embed_tokens.weight.out_features, loaded.config.hidden_size
-    assert made == [(vocab, hidden)]  # the embeddings' table alone
+    assert made == []
     assert loaded.weight_format == "int8"
+    assert isinstance(loaded.model.embed_tokens, QuantEmbedding)
+    assert released == [t.name for t in gguf.GGUFReader(q8_0[0]).tensors]
+
+
+def mapped_kb(path: Path) -> int:
+    """This process's resident kB of its maps of file `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_a_read_tensors_pages_leave_resident_memory_and_read_back_the_same(tmp_path):
+    """release_pages drops a tensor's pages of the mapped file from the process's resident
+    memory; reading it again gives the same bytes."""
+    path = tmp_path / "three.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    rng = np.random.default_rng(0)
+    for i in range(3):  # 256 kB each
+        writer.add_tensor(f"t{i}", rng.standard_normal((256, 256)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = gguf_reading._ArrayViewReader(path)
+    tensors = list(reader.tensors)
+    before = [t.data.tobytes() for t in tensors]  # every page touched
+    resident = mapped_kb(path)
+    for tensor in tensors:
+        gguf_reading.release_pages(reader, tensor)
+    released = sum(t.n_bytes for t in tensors) // 1024
+    assert mapped_kb(path) <= resident - released + 8 * len(tensors), (resident, released)
+    assert [t.data.tobytes() for t in tensors] == before
 
 
 def test_logits_match_transformers_on_the_files_weights(q8_0, tmp_path):
@@ -576,6 +617,33 @@ def test_blocks_are_packed_to_exactly_the_files_weights(qtype):
     torch.testing.assert_close(got, reference_linear(x, weight), atol=1e-4, rtol=1e-5)
     for rows in (1, 2, 3, 5, 17):
         assert torch.equal(ops.linear_quant(x[:rows], weight, None), got[:rows]), rows
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+def test_the_kernels_unpack_and_pack_blocks_as_the_numpy_code(ops, qtype):
+    """The kernels' one pass over a tensor's blocks (`unpack_gguf`, then `pack_records`) gives
+    the numpy code's integers and scales bit for bit (-0.0 minimums included) and its records
+    byte for byte, rows of mixed types (a Q4_K_M file's fused q, k and v) and reordered rows
+    (the q / k permutation) too; a block size that is not the type's is refused."""
+    raw = random_blocks(70, 512, qtype, seed=qtype.value + 100, scale=0.01)
+    numpy_grid, kernel_grid = BlockGrid.read(raw, qtype.name), BlockGrid.read(raw, qtype.name, ops)
+    for want, got in zip(
+        (numpy_grid.q, numpy_grid.d, numpy_grid.m),
+        (kernel_grid.q, kernel_grid.d, kernel_grid.m),
+        strict=True,
+    ):
+        assert (got.dtype, got.shape) == (want.dtype, want.shape)
+        bits = torch.int8 if want.dtype == torch.int8 else torch.int32
+        assert torch.equal(got.view(bits), want.view(bits))
+    assert torch.equal(kernel_grid.packed(ops).packed, numpy_grid.packed().packed)
+    other = Q.Q6_K if qtype != Q.Q6_K else Q.Q4_K
+    mixed = BlockGrid.read(random_blocks(9, 512, other, 5), other.name)
+    fused = BlockGrid.cat([kernel_grid, mixed])
+    order = torch.randperm(79, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(fused.rows(order).packed(ops).packed, fused.rows(order).packed().packed)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    with pytest.raises(ValueError, match="unpack_gguf"):
+        ops.unpack_gguf(torch.zeros(2, size + 1, dtype=torch.uint8), qtype.value)
 
 
 def write_k_quant_gguf(src: Path, path: Path, qtype_of, file_type: int) -> dict[str, torch.Tensor]:

@@ -180,23 +180,28 @@ def test_one_pass_quantization_makes_the_tensor_codes_records(ops, fmt, dtype, n
     assert (one_pass.out_features, one_pass.in_features) == (n, k)
 
 
-@pytest.mark.parametrize("bits", [8, 4, 5])
+@pytest.mark.parametrize("bits", [8, 4, 5, 6, 9])
 @pytest.mark.parametrize("n,k", [(1, 1), (65, 33), (130, 70), (300, 576)])
 def test_records_packed_in_one_pass_are_the_tensor_codes(ops, bits, n, k):
-    """QuantizedWeight.pack with the kernels (`pack_records`, a GGUF file's int8 and int4
-    blocks, a dequantized checkpoint's grid) gives the tensor code's bytes: N and K padded,
-    float32 minimums (rounded to float16 as the tensor code rounds them), every q and scale."""
+    """QuantizedWeight.pack with the kernels (`pack_records`, a GGUF file's blocks, a dequantized
+    checkpoint's grid) gives the tensor code's bytes for every format code: N and K padded,
+    float32 minimums (rounded to float16 for code 5 as the tensor code rounds them), every q and
+    scale, -0.0 and code 9's two d's per block included."""
     g = torch.Generator().manual_seed(n * 7 + k + bits)
     kb = (k + 31) // 32
-    if bits == 8:
+    if bits in (8, 9):
         q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     else:
         q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    d = (torch.rand(n, kb, generator=g) * 0.01).half()
-    z = None if bits == 8 else torch.randint(-128, 128, (n, kb), generator=g, dtype=torch.int8)
-    m = torch.randn(n, kb, generator=g) * 0.1 if bits == 5 else None
-    tensor_code = QuantizedWeight.pack(q, d, z, m)
-    one_pass = QuantizedWeight.pack(q, d, z, m, ops=ops)
+    d = torch.rand(n, 2 * kb if bits == 9 else kb, generator=g) * 0.01
+    d = d if bits in (6, 9) else d.half()
+    z = torch.randint(-128, 128, (n, kb), generator=g, dtype=torch.int8) if bits in (4, 5) else None
+    m = torch.randn(n, kb, generator=g) * 0.1 if bits in (5, 6, 9) else None
+    if m is not None and bits == 9:
+        m[:, ::2] = -0.0  # Q6_K's: no minimum
+    code = None if bits in (8, 4, 5) else bits
+    tensor_code = QuantizedWeight.pack(q, d, z, m, bits=code)
+    one_pass = QuantizedWeight.pack(q, d, z, m, bits=code, ops=ops)
     assert one_pass.bits == tensor_code.bits == bits
     assert torch.equal(one_pass.packed, tensor_code.packed)
 

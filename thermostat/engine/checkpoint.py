@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from thermostat.kernels import LinearOps
 from thermostat.models.gguf_blocks import BlockGrid
 from thermostat.models.gguf_checkpoint import GGUFCheckpoint, is_gguf
 from thermostat.models.quantized_checkpoints import WeightReader, weight_reader
@@ -45,9 +46,11 @@ class Checkpoint(Protocol):
     def source(self) -> str:
         """What the checkpoint holds: 'safetensors bfloat16', 'gptq 4-bit g128', 'gguf Q8_0'."""
 
-    def tensors(self, grids: bool = False) -> Iterator[tuple[str, Loaded]]:
+    def tensors(
+        self, grids: bool = False, ops: LinearOps | None = None
+    ) -> Iterator[tuple[str, Loaded]]:
         """(name, float tensor) one at a time; `grids`: keep the blocks of those the kernels run
-        as stored, for `grid`."""
+        as stored, for `grid`; `ops`: the kernels, which unpack stored blocks."""
 
     def grid(self, name: str) -> BlockGrid | None:
         """The blocks tensor `name` (yielded by `tensors(grids=True)`) is stored in, where the
@@ -99,7 +102,9 @@ class HFCheckpoint:
         declared = getattr(self.config, "dtype", None) or getattr(self.config, "torch_dtype", None)
         return f"safetensors {str(declared or 'float32').removeprefix('torch.')}"
 
-    def tensors(self, grids: bool = False) -> Iterator[tuple[str, Loaded]]:
+    def tensors(
+        self, grids: bool = False, ops: LinearOps | None = None
+    ) -> Iterator[tuple[str, Loaded]]:
         stored = iter_tensors(weight_files(self.directory))
         return stored if self.reader is None else self.reader.read(stored)
 

@@ -256,9 +256,11 @@ def load_model(
     # the weights a checkpoint stores as the kernels run them (a GGUF file's blocks) served as
     # stored, unless a format was asked for
     stored = StoredWeights(checkpoint.grid, ops) if quantization is None else None
-    stream = LinearsAsLoaded(cast(nn.Module, net), fmt, ops, stored) if fmt and ops else None
+    stream: LinearsAsLoaded | None = None
+    if fmt and ops:
+        stream = LinearsAsLoaded(cast(nn.Module, net), fmt, ops, stored, torch_dtype)
     try:
-        net.load_weights(trimmed(checkpoint.tensors(grids=stored is not None)), stream)
+        net.load_weights(trimmed(checkpoint.tensors(stored is not None, ops)), stream)
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
     if fmt is not None:

@@ -95,13 +95,23 @@ class LinearOps:
         m: torch.Tensor | None,
         bits: int,
     ) -> torch.Tensor:
-        """QuantizedWeight.pack's records for format codes 8, 4 and 5 (q int8 / uint8 [N, K];
-        d float16, z int8, m float16 [N, K / 32]; all contiguous), byte for byte."""
+        """QuantizedWeight.pack's records, byte for byte, for every format code (q int8 / uint8
+        [N, K]; d float16 [N, K / 32], z int8 and m float16 of its shape, or for codes 6 and 9 d
+        and m float32, 9's d [N, K / 16]; all contiguous)."""
         absent = d.new_empty(0)  # a format without z or m: not read
         y: torch.Tensor = self.module.pack_records(
             q, d, absent if z is None else z, absent if m is None else m, bits
         )
         return y
+
+    def unpack_gguf(
+        self, blocks: torch.Tensor, qtype: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A GGUF tensor's blocks [B, block bytes] (uint8, contiguous) of GGML type code `qtype`
+        (gguf_blocks' EXACT_TYPES) -> (q int8 [B, weights], d float32 [B, weights / 16], m
+        float32 [B, weights / 32]): gguf_blocks.integers and the scale fields, bit for bit."""
+        q, d, m = self.module.unpack_gguf(blocks, qtype)
+        return q, d, m
 
     def pack_vnni(self, weight: torch.Tensor) -> torch.Tensor:
         """bf16 weight [N, K] -> the blocked layout `linear_vnni` reads (N, K padded)."""

@@ -1,8 +1,8 @@
 // What both kernel builds share (cpu_kernels.cpp for AVX-512, avx2_kernels.cpp for AVX2-only
 // CPUs): the weight layouts, their checks, the scalar code that reads them, and the quantizers
 // that write a float weight's int8 / int4 records at load (quantize_int8, quantize_int4: AVX2,
-// which both builds have; no other vector intrinsics here). Each build includes this once,
-// inside its own anonymous namespace.
+// which both builds have; no other vector intrinsics here), and the load of a GGUF file's blocks
+// (unpack_gguf, pack_records). Each build includes this once, inside its own anonymous namespace.
 //
 // bf16 linear, VNNI layout: weights are packed once (pack_vnni) into 16-column blocks of 32-deep
 // K steps, each step a 16 x 16 x 2 tile: element [nb][ks][kp][n][j] = W[16 nb + n][32 ks + 2 kp
@@ -52,6 +52,7 @@
 #include <exception>
 #include <limits>
 #include <mutex>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -408,48 +409,87 @@ torch::Tensor quantize_int4(torch::Tensor w) {
   });
 }
 
-// QuantizedWeight.pack's records for format codes 8, 4 and 5, byte for byte: q [N, K] (int8 for
-// 8, uint8 in [0, 15] for 4 and 5), d [N, K / 32] float16, z int8 (4, 5) and m float16 (5) of the
-// same shape; N padded to 64 rows (d, z, m 0, q 0) and K to 32 (q 0). One pass, where the tensor
-// code made a zero-filled copy and permuted it.
+// QuantizedWeight.pack's records, byte for byte, for every format code: q [N, K] (int8 for 8 and
+// 9, uint8 in [0, 15] for 4, 5 and 6); d [N, K / 32] float16 (8, 4, 5) or float32 (6; 9: [N, K
+// / 16], a scale per 16), z int8 [N, K / 32] (4, 5), m [N, K / 32] float16 (5) or float32 (6,
+// 9); all contiguous. N padded to 64 rows (scales 0, q 0) and K to 32 (q 0). One pass, where the
+// tensor code made a zero-filled copy and permuted it.
 torch::Tensor pack_records(torch::Tensor q, torch::Tensor d, torch::Tensor z, torch::Tensor m,
                            int64_t bits) {
-  TORCH_CHECK_VALUE(bits == 8 || bits == 4 || bits == 5, "pack_records: bits must be 8, 4 or 5");
+  TORCH_CHECK_VALUE(bits == 8 || bits == 4 || bits == 5 || bits == 6 || bits == 9,
+                    "pack_records: bits must be 8, 4, 5, 6 or 9");
+  const bool wide = bits == 8 || bits == 9, f32 = bits == 6 || bits == 9;
   TORCH_CHECK_VALUE(q.dim() == 2 && q.is_contiguous() && q.size(0) > 0 && q.size(1) > 0 &&
-                        q.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
-                    "pack_records: q must be [N, K] contiguous, int8 (bits 8) or uint8");
+                        q.scalar_type() == (wide ? at::kChar : at::kByte),
+                    "pack_records: q must be [N, K] contiguous, int8 (bits 8, 9) or uint8");
   const int64_t N = q.size(0), K = q.size(1), G = (N + 63) / 64, KB = (K + 31) / 32;
-  const auto scales = [&](const torch::Tensor& t, at::ScalarType type, bool used, const char* what) {
-    TORCH_CHECK_VALUE(!used || (t.dim() == 2 && t.size(0) == N && t.size(1) == KB &&
+  const auto scales = [&](const torch::Tensor& t, at::ScalarType type, bool used, int64_t per,
+                          const char* what) {
+    TORCH_CHECK_VALUE(!used || (t.dim() == 2 && t.size(0) == N && t.size(1) == per * KB &&
                                 t.is_contiguous() && t.scalar_type() == type),
-                      "pack_records: ", what, " must be [N, K / 32] contiguous");
+                      "pack_records: ", what, " must be [N, ", per == 1 ? "K / 32" : "K / 16",
+                      "] contiguous");
   };
-  scales(d, at::kHalf, true, "d (float16)");
-  scales(z, at::kChar, bits != 8, "z (int8)");
-  scales(m, at::kHalf, bits == 5, "m (float16)");
-  const int64_t header = bits == 8 ? 128 : (bits == 4 ? 192 : 320);
-  const int64_t record = header + (bits == 8 ? 2048 : 1024);
+  const at::ScalarType scale_type = f32 ? at::kFloat : at::kHalf;
+  scales(d, scale_type, true, bits == 9 ? 2 : 1, f32 ? "d (float32)" : "d (float16)");
+  scales(z, at::kChar, bits == 4 || bits == 5, 1, "z (int8)");
+  scales(m, scale_type, bits == 5 || f32, 1, f32 ? "m (float32)" : "m (float16)");
+  // the header's fields, each 64 outputs' scales [c][n]: (source, bytes per scale, scales per
+  // row, the first of a block's, where it starts in the record)
+  struct Field {
+    const uint8_t* data;
+    int64_t width, per_row, first, at;
+  };
+  const int64_t scale_bytes = f32 ? 4 : 2;
+  const auto bytes = [](const torch::Tensor& t) {
+    return reinterpret_cast<const uint8_t*>(t.data_ptr());
+  };
+  std::vector<Field> fields;
+  if (bits == 9) {  // K 0-15's d, K 16-31's d, m
+    fields = {{bytes(d), 4, 2 * KB, 0, 0}, {bytes(d), 4, 2 * KB, 1, 256}, {bytes(m), 4, KB, 0, 512}};
+  } else {
+    fields = {{bytes(d), scale_bytes, KB, 0, 0}};
+    if (bits == 4 || bits == 5) fields.push_back({bytes(z), 1, KB, 0, 128});
+    if (bits == 5) fields.push_back({bytes(m), 2, KB, 0, 192});
+    if (bits == 6) fields.push_back({bytes(m), 4, KB, 0, 256});
+  }
+  const int64_t header = bits == 8 ? 128 : bits == 4 ? 192 : bits == 5 ? 320 : bits == 6 ? 512 : 768;
+  const int64_t record = header + (wide ? 2048 : 1024);
   auto out = torch::empty({G, KB, record}, q.options().dtype(at::kByte));
-  const uint8_t* qp = reinterpret_cast<const uint8_t*>(q.data_ptr());
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr());
-  const int8_t* zp = bits == 8 ? nullptr : z.data_ptr<int8_t>();
-  const uint16_t* mp = bits == 5 ? reinterpret_cast<const uint16_t*>(m.data_ptr()) : nullptr;
+  const uint8_t* qp = bytes(q);
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, G * KB, 64, [&](int64_t b, int64_t e) {
     for (int64_t u = b; u < e; ++u) {
       const int64_t g = u / KB, kb = u % KB;
       uint8_t* rec = op + u * record;
-      uint16_t* dr = reinterpret_cast<uint16_t*>(rec);
       for (int64_t i = 0; i < 64; ++i) {
         const int64_t row = g * 64 + i;
         const bool real = row < N;
-        dr[i] = real ? dp[row * KB + kb] : 0;
-        if (bits != 8) rec[128 + i] = real ? static_cast<uint8_t>(zp[row * KB + kb]) : 0;
-        if (bits == 5) reinterpret_cast<uint16_t*>(rec + 192)[i] = real ? mp[row * KB + kb] : 0;
+        for (const Field& f : fields) {
+          uint8_t* to = rec + f.at + i * f.width;
+          if (real) {
+            std::memcpy(to, f.data + (row * f.per_row + kb * (f.per_row / KB) + f.first) * f.width,
+                        f.width);
+          } else {
+            std::memset(to, 0, f.width);
+          }
+        }
         uint8_t* body = body_of(rec, header, i);
         const uint8_t* qr = real ? qp + row * K + kb * 32 : qp;
         const int64_t width = real ? std::min<int64_t>(32, K - kb * 32) : 0;  // q past it: 0
-        if (bits == 8) {
+        if (width == 32) {  // 4 bytes at a time: K 4 kq + j of a quad are adjacent
+          for (int kq = 0; kq < (wide ? 8 : 4); ++kq) {
+            uint32_t quad, high;
+            std::memcpy(&quad, qr + 4 * kq, 4);
+            if (wide) {
+              quad ^= 0x80808080u;  // q + 128 of each int8
+            } else {
+              std::memcpy(&high, qr + 16 + 4 * kq, 4);
+              quad |= high << 4;  // nibbles: no byte carries into the next
+            }
+            std::memcpy(body + kq * 256, &quad, 4);
+          }
+        } else if (wide) {
           for (int t = 0; t < 32; ++t) {
             body[(t / 4) * 256 + t % 4] = t < width ? static_cast<uint8_t>(qr[t] + 128) : 128;
           }
@@ -463,6 +503,124 @@ torch::Tensor pack_records(torch::Tensor q, torch::Tensor d, torch::Tensor z, to
     }
   });
   return out;
+}
+
+// A GGUF tensor's blocks as gguf_blocks.BlockGrid holds them, the numpy code's values bit for bit
+// (its `integers` and scale fields): blocks [B, bytes] of GGML type `type` (gguf's codes) ->
+// q int8 [B, weights], d float32 [B, weights / 16], m float32 [B, weights / 32], w = d q + m (m
+// -0.0 where the type has none). Layouts as ggml's dequantize_row_* read them.
+enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12,
+                          kQ5_K = 13, kQ6_K = 14 };
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// a block of 32 of the legacy types: 16 bytes of nibbles (K t low, 16 + t high) at `qs`, the
+// fifth bits (K 8 b + s: bit s of byte b) at `qh` or none, then `offset`
+inline void legacy_block(const uint8_t* qs, const uint8_t* qh, int offset, int8_t* q) {
+  for (int t = 0; t < 16; ++t) {
+    q[t] = static_cast<int8_t>(qs[t] & 15);
+    q[t + 16] = static_cast<int8_t>(qs[t] >> 4);
+  }
+  if (qh != nullptr) {
+    for (int t = 0; t < 32; ++t) q[t] = static_cast<int8_t>(q[t] | (((qh[t / 8] >> (t % 8)) & 1) << 4));
+  }
+  for (int t = 0; t < 32; ++t) q[t] = static_cast<int8_t>(q[t] + offset);
+}
+
+// sub-block j's 6-bit scale and minimum of a Q4_K / Q5_K super-block's 12 bytes (get_scale_min)
+inline void scale_min(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> unpack_gguf(torch::Tensor blocks,
+                                                                    int64_t type) {
+  int64_t weights = 32, size = 0;
+  switch (type) {
+    case kQ4_0: size = 18; break;
+    case kQ4_1: size = 20; break;
+    case kQ5_0: size = 22; break;
+    case kQ5_1: size = 24; break;
+    case kQ8_0: size = 34; break;
+    case kQ4_K: weights = 256, size = 144; break;
+    case kQ5_K: weights = 256, size = 176; break;
+    case kQ6_K: weights = 256, size = 210; break;
+    default: TORCH_CHECK_VALUE(false, "unpack_gguf: GGML type ", type, " is not unpacked here");
+  }
+  TORCH_CHECK_VALUE(blocks.dim() == 2 && blocks.is_contiguous() && blocks.size(1) == size &&
+                        blocks.scalar_type() == at::kByte,
+                    "unpack_gguf: blocks must be [B, ", size, "] contiguous uint8");
+  const int64_t B = blocks.size(0);
+  auto q = torch::empty({B, weights}, blocks.options().dtype(at::kChar));
+  auto d = torch::empty({B, weights / 16}, blocks.options().dtype(at::kFloat));
+  auto m = torch::empty({B, weights / 32}, blocks.options().dtype(at::kFloat));
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* dp = d.data_ptr<float>();
+  float* mp = m.data_ptr<float>();
+  at::parallel_for(0, B, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t bi = b0; bi < b1; ++bi) {
+      const uint8_t* blk = bp + bi * size;
+      int8_t* qb = qp + bi * weights;
+      float* db = dp + bi * (weights / 16);
+      float* mb = mp + bi * (weights / 32);
+      if (weights == 32) {
+        const float scale = half_at(blk);
+        db[0] = db[1] = scale;
+        mb[0] = (type == kQ4_1 || type == kQ5_1) ? half_at(blk + 2) : -0.0f;
+        switch (type) {
+          case kQ8_0: std::memcpy(qb, blk + 2, 32); break;
+          case kQ4_0: legacy_block(blk + 2, nullptr, -8, qb); break;
+          case kQ4_1: legacy_block(blk + 4, nullptr, 0, qb); break;
+          case kQ5_0: legacy_block(blk + 6, blk + 2, -16, qb); break;
+          default: legacy_block(blk + 8, blk + 4, 0, qb); break;  // Q5_1
+        }
+        continue;
+      }
+      if (type == kQ6_K) {  // ql 128 bytes, qh 64, int8 scales per 16, d
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const float scale = half_at(blk + 208);
+        for (int r = 0; r < 2; ++r) {  // halves of 128: ql runs of 64, qh runs of 32
+          for (int l = 0; l < 64; ++l) {
+            const int low = ql[64 * r + l], high = qh[32 * r + l % 32] >> (2 * (l / 32));
+            qb[128 * r + l] = static_cast<int8_t>(((low & 15) | ((high & 3) << 4)) - 32);
+            qb[128 * r + 64 + l] = static_cast<int8_t>(((low >> 4) | (((high >> 4) & 3) << 4)) - 32);
+          }
+        }
+        for (int j = 0; j < 16; ++j) db[j] = scale * static_cast<float>(static_cast<int8_t>(blk[192 + j]));
+        for (int j = 0; j < 8; ++j) mb[j] = -0.0f;
+        continue;
+      }
+      // Q4_K / Q5_K: d, dmin, 12 bytes of 6-bit scales and minimums, (Q5_K: 32 bytes of fifth
+      // bits, bit j of byte l for sub-block j), nibbles in runs of 32 (low: sub-block 2 c)
+      const float scale = half_at(blk), dmin = half_at(blk + 2);
+      const uint8_t* qs = blk + (type == kQ4_K ? 16 : 48);
+      const uint8_t* qh = type == kQ5_K ? blk + 16 : nullptr;
+      for (int j = 0; j < 8; ++j) {
+        int sc, mn;
+        scale_min(blk + 4, j, sc, mn);
+        db[2 * j] = db[2 * j + 1] = scale * static_cast<float>(sc);
+        mb[j] = -(dmin * static_cast<float>(mn));
+        const uint8_t* run = qs + 32 * (j / 2);
+        const int shift = 4 * (j % 2);
+        for (int l = 0; l < 32; ++l) {
+          int v = (run[l] >> shift) & 15;
+          if (qh != nullptr) v |= ((qh[l] >> j) & 1) << 4;
+          qb[32 * j + l] = static_cast<int8_t>(v);
+        }
+      }
+    }
+  });
+  return {q, d, m};
 }
 
 void check_rows(const torch::Tensor& t, const char* name) {

@@ -224,7 +224,8 @@ void def_ops(py::module_& m) {
   m.def("grid_steps", &grid_steps, "the integer grid step of each block of 32 (0: none)", nogil);
   m.def("quantize_int8", &quantize_int8, "a float weight's int8 records (no grid search)", nogil);
   m.def("quantize_int4", &quantize_int4, "a float weight's int4 records (no grid search)", nogil);
-  m.def("pack_records", &pack_records, "QuantizedWeight.pack for format codes 8, 4 and 5", nogil);
+  m.def("pack_records", &pack_records, "QuantizedWeight.pack's records, one pass", nogil);
+  m.def("unpack_gguf", &unpack_gguf, "a GGUF tensor's blocks as integers, d and m", nogil);
   m.def("linear_quant", &linear_quant, "x W^T + b with int8 / 4-bit weights in blocks of 32",
         nogil);
 }

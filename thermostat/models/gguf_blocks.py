@@ -4,9 +4,10 @@ and minimums, no requantization (quant.py's formats).
 Every type is read into one form, w = d q + m with q an integer, a float32 d per 16 weights along
 K (the finest any type has: Q6_K's sub-blocks) and a float32 m per 32 (-0.0 where the type has
 none: adding it leaves every value, the sign of zero included). The integers are unpacked from the
-blocks' bytes with the bit layouts of gguf's `dequantize` (`QUANTS`; ~1 ns a weight, where its
-float dequantization takes ~7), which the tests check them against bit for bit; d and m come from
-the scale fields, multiplied in float32 as gguf does.
+blocks' bytes with the bit layouts of gguf's `dequantize` (`QUANTS`, which the tests check them
+against bit for bit); d and m come from the scale fields, multiplied in float32 as gguf does. The
+kernels do the same in one pass (`unpack_gguf`, 0.1-0.7 ns a weight where this numpy code takes
+1-4 and gguf's float dequantization ~7), and the tests hold them to this code.
 
 | type | w (gguf's dequantize)   | q       | d (per 32 unless said)     | m         | `bits`  |
 |------|-------------------------|---------|----------------------------|-----------|---------|
@@ -25,6 +26,7 @@ the format that holds them all: `bits` 9 holds every type above exactly.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -85,13 +87,20 @@ class BlockGrid:
     m: torch.Tensor  # [N, K / 32] float32
 
     @classmethod
-    def read(cls, data: np.ndarray, qtype: str) -> BlockGrid:
+    def read(cls, data: np.ndarray, qtype: str, ops: LinearOps | None = None) -> BlockGrid:
         """A tensor's stored blocks [N, bytes per row] (GGUFReader's data) of an EXACT_TYPES
-        type."""
+        type; `ops`: the kernels, which unpack them in one pass (`unpack_gguf`: the same
+        values)."""
         gtype = GGMLQuantizationType[qtype]
         block, size = GGML_QUANT_SIZES[gtype]
         rows = data.shape[0]
         blocks = np.ascontiguousarray(data).reshape(-1, size)  # [N * blocks per row, size]
+        if ops is not None:
+            with warnings.catch_warnings():  # the file's read-only map: the kernel only reads it
+                warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+                stored = torch.from_numpy(blocks)
+            parts = ops.unpack_gguf(stored, gtype.value)
+            return cls(frozenset({qtype}), *(t.view(rows, -1) for t in parts))
         d_at, m_at, scales_at = FIELDS[qtype]
         assert d_at is not None
         q = integers(blocks, qtype).reshape(rows, -1)
@@ -149,8 +158,9 @@ class BlockGrid:
                 self.q.to(torch.uint8), per_32.half(), z, self.m.half(), ops=ops
             )
         if bits == 6:
-            return QuantizedWeight.pack(self.q.to(torch.uint8), per_32, m=self.m, bits=6)
-        return QuantizedWeight.pack(self.q.to(torch.int8), self.d, m=self.m, bits=9)
+            q4 = self.q.view(torch.uint8)  # 0..15 either way
+            return QuantizedWeight.pack(q4, per_32.contiguous(), m=self.m, bits=6, ops=ops)
+        return QuantizedWeight.pack(self.q, self.d, m=self.m, bits=9, ops=ops)
 
 
 def integers(blocks: np.ndarray, qtype: str) -> np.ndarray:

@@ -62,12 +62,14 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from thermostat.kernels import LinearOps
 from thermostat.models.gguf_blocks import EXACT_TYPES, BlockGrid, dequantized
 from thermostat.models.gguf_reading import (
     cached_config,
     cached_names,
     cached_tokenizer,
     read_header,
+    release_pages,
 )
 from thermostat.models.weights import Deferred, Loaded
 
@@ -178,12 +180,15 @@ class GGUFCheckpoint:
         config: dict[str, Any] = self.config.to_dict()
         return config
 
-    def tensors(self, grids: bool = False) -> Iterator[tuple[str, Loaded]]:
+    def tensors(
+        self, grids: bool = False, ops: LinearOps | None = None
+    ) -> Iterator[tuple[str, Loaded]]:
         """(Hugging Face name, float32 tensor), one tensor of the file at a time; a stacked
         experts tensor [E, ...] as one tensor per expert. A quantized tensor's blocks are read
         once (BlockGrid) and its floats made from them; `grids`: the blocks kept for `grid`, and
-        the floats Deferred (made only for a weight the model does not serve as its blocks).
-        ValueError naming a tensor the model has no name for."""
+        the floats Deferred (made only for a weight the model does not serve as its blocks);
+        `ops`: the kernels, which unpack the blocks. ValueError naming a tensor the model has no
+        name for."""
         names = cached_names(self.path, self._hf_names)
         heads = {
             "attn_q": self.config.num_attention_heads,
@@ -195,34 +200,44 @@ class GGUFCheckpoint:
                 continue  # in the config's rope parameters (`_fill_config`)
             experts = EXPERTS.fullmatch(tensor.name)
             if experts is not None:
-                yield from self._experts(tensor, experts, grids)
-                continue
-            if tensor.name not in names:
+                yield from self._experts(tensor, experts, grids, ops)
+            elif tensor.name not in names:
                 raise ValueError(f"{self.path}: tensor {tensor.name} has no place in the model")
-            kind = tensor.name.split(".")[-2] if tensor.name.startswith("blk.") else ""
-            permuted = heads[kind] if self.architecture == "llama" and kind in heads else None
-            # llama.cpp's converter stored Gemma's norms as 1 + w
-            plus_one = self.architecture in NORMS_PLUS_ONE and tensor.name.endswith("norm.weight")
-            if tensor.tensor_type.name in EXACT_TYPES:
-                grid = BlockGrid.read(tensor.data, tensor.tensor_type.name)
-                if permuted is not None:
-                    grid = grid.rows(unpermute_rows(torch.arange(len(grid.q)), permuted))
-                if grids:
-                    self.grids[names[tensor.name]] = grid
-                if grids and not plus_one:  # its floats made only if the model keeps them
-                    yield names[tensor.name], Deferred(grid.q.shape, grid.dequantize)
-                    continue
-                values = grid.dequantize()
             else:
-                values = torch.from_numpy(dequantized(tensor.data, tensor.tensor_type))
-                if permuted is not None:
-                    values = unpermute_rows(values, permuted)
-            if plus_one:
-                values = values - 1.0
-            yield names[tensor.name], values
+                name = names[tensor.name]
+                yield name, self._tensor(tensor, name, heads, grids, ops)
+            release_pages(self.reader, tensor)  # read: its copy is the model's now
+
+    def _tensor(
+        self,
+        tensor: ReaderTensor,
+        name: str,
+        heads: dict[str, int],
+        grids: bool,
+        ops: LinearOps | None,
+    ) -> Loaded:
+        """One tensor (not stacked experts) as `tensors` yields it, under Hugging Face `name`."""
+        kind = tensor.name.split(".")[-2] if tensor.name.startswith("blk.") else ""
+        permuted = heads[kind] if self.architecture == "llama" and kind in heads else None
+        # llama.cpp's converter stored Gemma's norms as 1 + w
+        plus_one = self.architecture in NORMS_PLUS_ONE and tensor.name.endswith("norm.weight")
+        if tensor.tensor_type.name in EXACT_TYPES:
+            grid = BlockGrid.read(tensor.data, tensor.tensor_type.name, ops)
+            if permuted is not None:
+                grid = grid.rows(unpermute_rows(torch.arange(len(grid.q)), permuted))
+            if grids:
+                self.grids[name] = grid
+            if grids and not plus_one:  # its floats made only if the model keeps them
+                return Deferred(grid.q.shape, grid.dequantize)
+            values = grid.dequantize()
+        else:
+            values = torch.from_numpy(dequantized(tensor.data, tensor.tensor_type))
+            if permuted is not None:
+                values = unpermute_rows(values, permuted)
+        return values - 1.0 if plus_one else values
 
     def _experts(
-        self, tensor: ReaderTensor, match: re.Match[str], grids: bool
+        self, tensor: ReaderTensor, match: re.Match[str], grids: bool, ops: LinearOps | None
     ) -> Iterator[tuple[str, Loaded]]:
         """A stacked experts tensor [E, ...] as one (name, float32 tensor) per expert; a
         quantized one's blocks read per expert (kept for `grid` with `grids`)."""
@@ -233,7 +248,7 @@ class GGUFCheckpoint:
             yield from zip(names, values, strict=True)
             return
         for name, blocks in zip(names, tensor.data, strict=True):
-            grid = BlockGrid.read(blocks, tensor.tensor_type.name)
+            grid = BlockGrid.read(blocks, tensor.tensor_type.name, ops)
             if grids:
                 self.grids[name] = grid
             yield name, Deferred(grid.q.shape, grid.dequantize) if grids else grid.dequantize()

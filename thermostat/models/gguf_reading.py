@@ -19,6 +19,7 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import mmap
 import os
 import shutil
 import sys
@@ -31,7 +32,7 @@ from unittest import mock
 import gguf
 import numpy as np
 import transformers
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFReader, GGUFValueType, ReaderTensor
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 log = logging.getLogger("thermostat")
@@ -88,6 +89,20 @@ class _ArrayViewReader(GGUFReader):
                 parts.append(plain[offs + 8 : offs + 8 + length])
                 offs += 8 + length
         return offs - orig_offs, parts, list(range(2, len(parts))), [GGUFValueType.ARRAY, kind]
+
+
+def release_pages(reader: GGUFReader, tensor: ReaderTensor) -> None:
+    """The file's pages of `tensor` out of this process's resident memory once it is read (into
+    the model's own copy): they stay in the page cache, and a later read maps them again, the
+    same bytes (the map is read-only). A load then holds one tensor of the file, not all of it
+    (a 7B file's 4 GB counted in its peak RSS on top of the weights as served)."""
+    mapped = getattr(reader.data, "_mmap", None)  # np.memmap's mmap
+    if not isinstance(mapped, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(len(mapped), tensor.data_offset + tensor.n_bytes)
+    if end > start:
+        mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def read_header(path: Path) -> GGUFReader:

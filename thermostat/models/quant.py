@@ -92,8 +92,8 @@ class QuantizedWeight:
         """q [N, K] (int8 in [-128, 127] with z None; uint8 in [0, 15] with z), d [N, ceil(K /
         32)] float16, z the same shape int8, m (with z) float16 -> the kernel's layout. `bits` 6
         (q uint8 in [0, 15]) or 9 (q int8, d [N, 2 ceil(K / 32)]: a scale per 16) with d and m
-        float32 and no z. `ops`: the kernels, which pack codes 8, 4 and 5 in one pass
-        (`pack_records`: the same bytes)."""
+        float32 and no z. `ops`: the kernels, which pack them in one pass (`pack_records`: the
+        same bytes)."""
         if bits is None:
             bits = 8 if z is None else (4 if m is None else 5)
         n, k = q.shape
@@ -103,15 +103,14 @@ class QuantizedWeight:
             raise ValueError(f"scales must be [{n}, {scales}] for a [{n}, {k}] weight")
         if bits in FLOAT32_SCALES and (z is not None or m is None or m.shape != (n, kb)):
             raise ValueError(f"bits {bits} takes float32 d and m [{n}, {kb}], no z")
-        one_pass = (
+        scale_dtype = torch.float32 if bits in FLOAT32_SCALES else torch.float16
+        if (
             ops is not None
-            and bits in (8, 4, 5)
-            and d.dtype == torch.float16
-            and q.dtype == (torch.int8 if bits == 8 else torch.uint8)
+            and d.dtype == scale_dtype
+            and q.dtype == (torch.uint8 if bits in NIBBLES else torch.int8)
             and (z is None or z.dtype == torch.int8)
-        )
-        if one_pass and ops is not None:
-            minimum = None if m is None else m.half().contiguous()
+        ):
+            minimum = None if m is None else m.to(scale_dtype).contiguous()
             zeros = None if z is None else z.contiguous()
             records = ops.pack_records(q.contiguous(), d.contiguous(), zeros, minimum, bits)
             return cls(bits, n, k, records)

@@ -110,15 +110,22 @@ def hold_float32(model: nn.Module) -> None:
 class LinearsAsLoaded:
     """`load_weights`' `filled` callback that quantizes each linear layer as soon as its weights
     are loaded, so that a quantized model never holds all its float weights at once (float32
-    for a pre-quantized checkpoint: 4 bytes per weight); MoE experts too where the checkpoint
-    stores them as the kernels run them (`stored`). Left for `quantize_model`: the LM head and
-    embeddings (int8 whatever `fmt` is), other MoE experts, float32 modules and the modules of a
-    layer that rewrites its weights once all are loaded (`finish_loading`: DeepSeek's MLA)."""
+    for a pre-quantized checkpoint: 4 bytes per weight); MoE experts, the embeddings and the LM
+    head too where the checkpoint stores them as the kernels run them (`stored`; `dtype`: what
+    the embeddings give the layers, as `quantize_model`'s). Left for `quantize_model`: the LM
+    head and embeddings otherwise (int8 whatever `fmt` is), other MoE experts, float32 modules
+    and the modules of a layer that rewrites its weights once all are loaded (`finish_loading`:
+    DeepSeek's MLA)."""
 
     def __init__(
-        self, model: nn.Module, fmt: str, ops: LinearOps, stored: StoredWeights | None = None
+        self,
+        model: nn.Module,
+        fmt: str,
+        ops: LinearOps,
+        stored: StoredWeights | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
-        self.model, self.fmt, self.ops, self.stored = model, fmt, ops, stored
+        self.model, self.fmt, self.ops, self.stored, self.dtype = model, fmt, ops, stored, dtype
         self.skip = {"lm_head"}
         for path, module in model.named_modules():
             if isinstance(module, Float32Module) or hasattr(module, "finish_loading"):
@@ -127,6 +134,8 @@ class LinearsAsLoaded:
     def __call__(self, path: str, sources: Sources) -> bool:
         if self.stored is not None:
             self.stored.sources.update(sources)  # for `quantize_model` too
+            if path in TABLES and self._table_as_stored(path):
+                return True  # never made into floats (a 128k vocabulary's: 2 GB of float32)
         if path in self.skip:
             return False
         module = self.model.get_submodule(path)
@@ -148,6 +157,28 @@ class LinearsAsLoaded:
                 self.stored.sources.pop(f"{path}.weight", None)
         setattr(self.model.get_submodule(parent), name, linear)
         return True
+
+    def _table_as_stored(self, path: str) -> bool:
+        """The embeddings (and a tied LM head) or the LM head served from the checkpoint's
+        blocks, as `quantize_model` would serve them, if it stores them so."""
+        assert self.stored is not None
+        module = getattr(self.model, path, None)
+        if not isinstance(module, (nn.Embedding, nn.Linear)):
+            return False
+        exact = self.stored.weight(f"{path}.weight")
+        if exact is None:
+            return False
+        if path == "lm_head":
+            self.model.lm_head = QuantLinear(exact, None, self.ops)
+            return True
+        dtype = self.dtype or module.weight.dtype
+        self.model.embed_tokens = QuantEmbedding(exact, dtype, self.ops)
+        if getattr(getattr(self.model, "arch", None), "tie_word_embeddings", False):
+            self.model.lm_head = QuantLinear(exact, None, self.ops)
+        return True
+
+
+TABLES = ("embed_tokens", "lm_head")  # `quantize_model`'s: int8, or as the checkpoint stores them
 
 
 def quantize_model(
@@ -177,7 +208,7 @@ def quantize_model(
         model.embed_tokens = QuantEmbedding(table, dtype or rows.dtype, ops)
         if tied:
             model.lm_head = QuantLinear(table, None, ops)
-    if head is not None and not tied:
+    if head is not None and not tied and not isinstance(head, QuantLinear):
         exact = stored.weight("lm_head.weight") if stored is not None else None
         model.lm_head = (
             quantized_linear(head, "int8", ops) if exact is None else QuantLinear(exact, None, ops)
