@@ -579,7 +579,14 @@ def test_stacked_experts_are_served_as_stored(tmp_path, qtype):
     assert len(llm.generate([[5, 6, 7]], greedy)[0].token_ids) == 4
 
 
-SCALE_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q4_1": (0, 2), "Q5_1": (0, 2), "Q6_K": (208,)}
+SCALE_FIELDS = {
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q4_1": (0, 2),
+    "Q5_1": (0, 2),
+    "Q6_K": (208,),
+    "Q3_K": (108,),
+}
 
 
 def random_blocks(rows: int, cols: int, qtype: Q, seed: int, scale: float = 2e-5) -> np.ndarray:
@@ -596,7 +603,9 @@ def random_blocks(rows: int, cols: int, qtype: Q, seed: int, scale: float = 2e-5
     return raw.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+@pytest.mark.parametrize(
+    "qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K]
+)
 def test_blocks_are_packed_to_exactly_the_files_weights(qtype):
     """Each served type's blocks, as read (the floats the loader makes of them) and packed for
     the kernels, dequantize to gguf's own dequantization bit for bit (float32, the sign of zero
@@ -619,7 +628,9 @@ def test_blocks_are_packed_to_exactly_the_files_weights(qtype):
         assert torch.equal(ops.linear_quant(x[:rows], weight, None), got[:rows]), rows
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+@pytest.mark.parametrize(
+    "qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K]
+)
 def test_the_kernels_unpack_and_pack_blocks_as_the_numpy_code(ops, qtype):
     """The kernels' one pass over a tensor's blocks (`unpack_gguf`, then `pack_records`) gives
     the numpy code's integers and scales bit for bit (-0.0 minimums included) and its records
@@ -695,12 +706,17 @@ def wide(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "qtype,file_type,named,body",
-    [(Q.Q4_K, 15, "Q4_K_M", "int4"), (Q.Q5_K, 17, "Q5_K_M", "int8"), (Q.Q6_K, 18, "Q6_K", "int8")],
+    [
+        (Q.Q4_K, 15, "Q4_K_M", "int4"),
+        (Q.Q5_K, 17, "Q5_K_M", "int8"),
+        (Q.Q6_K, 18, "Q6_K", "int8"),
+        (Q.Q3_K, 12, "Q3_K_M", "int8"),
+    ],
 )
 def test_k_quant_files_are_served_as_stored(wide, tmp_path, qtype, file_type, named, body):
-    """A Q4_K / Q5_K / Q6_K file's weights are served as its blocks say (every linear layer and
-    the embeddings dequantize to the file's values exactly), and the logits are transformers'
-    on those values, within int8 activations' rounding (the Q8_0 test's bound)."""
+    """A Q4_K / Q5_K / Q6_K / Q3_K file's weights are served as its blocks say (every linear
+    layer and the embeddings dequantize to the file's values exactly), and the logits are
+    transformers' on those values, within int8 activations' rounding (the Q8_0 test's bound)."""
     path = tmp_path / f"tiny-{qtype.name}.gguf"
     files = write_k_quant_gguf(wide, path, lambda _: qtype, file_type)
     loaded = load_model(path, dtype="float32")

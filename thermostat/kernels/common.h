@@ -509,8 +509,8 @@ torch::Tensor pack_records(torch::Tensor q, torch::Tensor d, torch::Tensor z, to
 // (its `integers` and scale fields): blocks [B, bytes] of GGML type `type` (gguf's codes) ->
 // q int8 [B, weights], d float32 [B, weights / 16], m float32 [B, weights / 32], w = d q + m (m
 // -0.0 where the type has none). Layouts as ggml's dequantize_row_* read them.
-enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12,
-                          kQ5_K = 13, kQ6_K = 14 };
+enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ3_K = 11,
+                          kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -551,6 +551,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> unpack_gguf(torch::Tenso
     case kQ5_0: size = 22; break;
     case kQ5_1: size = 24; break;
     case kQ8_0: size = 34; break;
+    case kQ3_K: weights = 256, size = 110; break;
     case kQ4_K: weights = 256, size = 144; break;
     case kQ5_K: weights = 256, size = 176; break;
     case kQ6_K: weights = 256, size = 210; break;
@@ -597,6 +598,24 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> unpack_gguf(torch::Tenso
           }
         }
         for (int j = 0; j < 16; ++j) db[j] = scale * static_cast<float>(static_cast<int8_t>(blk[192 + j]));
+        for (int j = 0; j < 8; ++j) mb[j] = -0.0f;
+        continue;
+      }
+      if (type == kQ3_K) {  // hmask 32 bytes, 2-bit q 64, 12 bytes of 6-bit scales, d
+        const uint8_t *hmask = blk, *qs = blk + 32, *sc = blk + 96;
+        const float scale = half_at(blk + 108);
+        for (int r = 0; r < 2; ++r) {  // halves of 128: K 128 r + 32 s + l
+          for (int s = 0; s < 4; ++s) {
+            for (int l = 0; l < 32; ++l) {
+              const int low = (qs[32 * r + l] >> (2 * s)) & 3, high = (hmask[l] >> (4 * r + s)) & 1;
+              qb[128 * r + 32 * s + l] = static_cast<int8_t>(low + 4 * high - 4);
+            }
+          }
+        }
+        for (int j = 0; j < 16; ++j) {  // low 4 bits two to a byte, high 2 four to a byte
+          const int six = ((sc[j % 8] >> (4 * (j / 8))) & 15) | (((sc[8 + j % 4] >> (2 * (j / 4))) & 3) << 4);
+          db[j] = scale * static_cast<float>(six - 32);
+        }
         for (int j = 0; j < 8; ++j) mb[j] = -0.0f;
         continue;
       }

@@ -19,6 +19,8 @@ kernels do the same in one pass (`unpack_gguf`, 0.1-0.7 ns a weight where this n
 | Q5_1 | d q + m                 | 0..31   | d fp16                     | m fp16    | 9       |
 | Q5_K | (d sc_j) q - dmin m_j   | 0..31   | d sc_j                     | -dmin m_j | 9       |
 | Q6_K | (d sc_j) (q - 32)       | q - 32  | d sc_j per 16, sc_j int8   | -         | 9       |
+| Q3_K | (d sc_j) q              | q - 4   | d sc_j per 16, sc_j 6-bit  | -         | 9       |
+|      |                         | (+4 h)  | minus 32                   |           |         |
 
 Rows of different types in one weight (a fused qkv of a Q4_K_M file: Q4_K q and k, Q6_K v) take
 the format that holds them all: `bits` 9 holds every type above exactly.
@@ -50,6 +52,7 @@ FIELDS: dict[str, tuple[tuple[int, int] | None, ...]] = {
     "Q4_K": ((0, 2), (2, 2), (4, 12)),
     "Q5_K": ((0, 2), (2, 2), (4, 12)),
     "Q6_K": ((208, 2), None, (192, 16)),
+    "Q3_K": ((108, 2), None, (96, 12)),
 }
 EXACT_TYPES = tuple(FIELDS)
 # a format whose rows are all of these types -> the format (else 9)
@@ -61,19 +64,24 @@ NARROW: dict[frozenset[str], Bits] = {
     frozenset({"Q4_1"}): 5,
     frozenset({"Q4_K"}): 6,
 }
-# the integers' fields of a block: (byte start, byte end, bytes per run, shifts, mask), each run
-# of bytes giving its values shifted by each shift in turn (ggml's order: a run's low nibbles,
-# then its high ones); a second field is the high bits, OR-ed in above the first's; then an offset
-BitField = tuple[int, int, int, tuple[int, ...], int]
+# the integers' fields of a block: (byte start, byte end, bytes per run, shifts, mask, place),
+# each run of bytes giving its values shifted by each shift in turn (ggml's order: a run's low
+# nibbles, then its high ones), masked, then OR-ed in at bit `place` (a second field holds the
+# high bits); then an offset
+BitField = tuple[int, int, int, tuple[int, ...], int, int]
 LOW_HIGH = (0, 4)
+EIGHT = tuple(range(8))
+CRUMBS = (0, 2, 4, 6)  # a byte's four 2-bit values
 QUANTS: dict[str, tuple[tuple[BitField, ...], int]] = {
-    "Q4_0": (((2, 18, 16, LOW_HIGH, 15),), -8),
-    "Q4_1": (((4, 20, 16, LOW_HIGH, 15),), 0),
-    "Q5_0": (((6, 22, 16, LOW_HIGH, 15), (2, 6, 1, tuple(range(8)), 1)), -16),
-    "Q5_1": (((8, 24, 16, LOW_HIGH, 15), (4, 8, 1, tuple(range(8)), 1)), 0),
-    "Q4_K": (((16, 144, 32, LOW_HIGH, 15),), 0),
-    "Q5_K": (((48, 176, 32, LOW_HIGH, 15), (16, 48, 32, tuple(range(8)), 1)), 0),
-    "Q6_K": (((0, 128, 64, LOW_HIGH, 15), (128, 192, 32, (0, 2, 4, 6), 3)), -32),
+    "Q4_0": (((2, 18, 16, LOW_HIGH, 15, 0),), -8),
+    "Q4_1": (((4, 20, 16, LOW_HIGH, 15, 0),), 0),
+    "Q5_0": (((6, 22, 16, LOW_HIGH, 15, 0), (2, 6, 1, EIGHT, 1, 4)), -16),
+    "Q5_1": (((8, 24, 16, LOW_HIGH, 15, 0), (4, 8, 1, EIGHT, 1, 4)), 0),
+    "Q4_K": (((16, 144, 32, LOW_HIGH, 15, 0),), 0),
+    "Q5_K": (((48, 176, 32, LOW_HIGH, 15, 0), (16, 48, 32, EIGHT, 1, 4)), 0),
+    "Q6_K": (((0, 128, 64, LOW_HIGH, 15, 0), (128, 192, 32, CRUMBS, 3, 4)), -32),
+    # q = low + 4 h - 4: ggml's low - 4 where the mask's bit is 0
+    "Q3_K": (((32, 96, 32, CRUMBS, 3, 0), (0, 32, 32, EIGHT, 1, 2)), -4),
 }
 
 
@@ -110,10 +118,11 @@ class BlockGrid:
             assert scales_at is not None
             sc, mins = Q4_K.get_scale_min(blocks[:, scales_at[0] : scales_at[0] + 12])
             d, m = d * sc.astype(np.float32), -(m * mins.astype(np.float32))
-        elif qtype == "Q6_K":
-            sc = blocks[:, 192:208].view(np.int8).astype(np.float32)
-            d, m = d * sc, np.full((len(blocks), block // 32), -0.0, dtype=np.float32)
-        per_d = block // 16 // d.shape[1]  # 16-weight pieces per d: 2, except Q6_K's 1
+        elif qtype in ("Q6_K", "Q3_K"):
+            sc = _q3_k_scales(blocks[:, 96:108]) if qtype == "Q3_K" else blocks[:, 192:208]
+            d = d * sc.view(np.int8).astype(np.float32)
+            m = np.full((len(blocks), block // 32), -0.0, dtype=np.float32)
+        per_d = block // 16 // d.shape[1]  # 16-weight pieces per d: 2, except Q6_K's and Q3_K's 1
         return cls(
             frozenset({qtype}),
             torch.from_numpy(q),
@@ -169,10 +178,10 @@ def integers(blocks: np.ndarray, qtype: str) -> np.ndarray:
         return np.ascontiguousarray(blocks[:, 2:]).view(np.int8)  # a copy: writable
     fields, offset = QUANTS[qtype]
     q = np.zeros((), dtype=np.uint8)
-    for i, (start, end, run, shifts, mask) in enumerate(fields):
+    for start, end, run, shifts, mask, place in fields:
         runs = blocks[:, start:end].reshape(len(blocks), -1, 1, run)
         values = (runs >> np.array(shifts, dtype=np.uint8).reshape(1, 1, -1, 1)) & np.uint8(mask)
-        q = q | (values.reshape(len(blocks), -1) << np.uint8(4 * i))
+        q = q | (values.reshape(len(blocks), -1) << np.uint8(place))
     return q.view(np.int8) + np.int8(offset) if offset else q.view(np.int8)
 
 
@@ -186,6 +195,17 @@ def dequantized(data: np.ndarray, qtype: GGMLQuantizationType, rows: int = 4096)
     for r in range(rows, len(flat), rows):
         out[r : r + rows] = dequantize(flat[r : r + rows], qtype)
     return out.reshape(*data.shape[:-1], first.shape[-1])
+
+
+def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
+    """A Q3_K block's 16 sub-block scales, 6 bits each in its 12 bytes (the low 4 bits in bytes
+    0-7, two to a byte; the high 2 in bytes 8-11, four to a byte), minus 32: int8 [blocks, 16]
+    (gguf's Q3_K.dequantize_blocks)."""
+    n = len(packed)
+    low = packed[:, :8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
+    high = packed[:, 8:].reshape(n, 1, 4) >> np.array(CRUMBS, dtype=np.uint8).reshape(1, 4, 1)
+    six = (low.reshape(n, 16) & np.uint8(15)) | ((high.reshape(n, 16) & np.uint8(3)) << np.uint8(4))
+    return six.astype(np.int8) - np.int8(32)
 
 
 def _half(blocks: np.ndarray, at: tuple[int, int]) -> np.ndarray:
