@@ -591,12 +591,12 @@ SCALE_FIELDS = {
 
 def random_blocks(rows: int, cols: int, qtype: Q, seed: int, scale: float = 2e-5) -> np.ndarray:
     """Valid random blocks of `qtype` (gguf can dequantize K-quants, not quantize to them): random
-    integers and 6-bit scales, finite float16 d / dmin / m of about `scale` (Q6_K's d a tenth of
-    it: its 8-bit sub-block scales)."""
+    integers and 6-bit scales, finite float16 d / dmin / m of about `scale` (a tenth of it for
+    Q6_K's d, with its 8-bit sub-block scales, and IQ4's, whose levels span int8)."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    scale = scale / 10 if qtype == Q.Q6_K else scale
+    scale = scale / 10 if qtype in (Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS) else scale  # int8 levels
     for at in SCALE_FIELDS.get(qtype.name, (0,)):
         d = rng.uniform(-scale, scale, (rows, cols // block)).astype(np.float16)
         raw[:, :, at : at + 2] = d.view(np.uint8).reshape(rows, -1, 2)
@@ -604,7 +604,8 @@ def random_blocks(rows: int, cols: int, qtype: Q, seed: int, scale: float = 2e-5
 
 
 @pytest.mark.parametrize(
-    "qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K]
+    "qtype",
+    [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS],
 )
 def test_blocks_are_packed_to_exactly_the_files_weights(qtype):
     """Each served type's blocks, as read (the floats the loader makes of them) and packed for
@@ -629,7 +630,8 @@ def test_blocks_are_packed_to_exactly_the_files_weights(qtype):
 
 
 @pytest.mark.parametrize(
-    "qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K]
+    "qtype",
+    [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS],
 )
 def test_the_kernels_unpack_and_pack_blocks_as_the_numpy_code(ops, qtype):
     """The kernels' one pass over a tensor's blocks (`unpack_gguf`, then `pack_records`) gives
@@ -711,11 +713,13 @@ def wide(tmp_path_factory):
         (Q.Q5_K, 17, "Q5_K_M", "int8"),
         (Q.Q6_K, 18, "Q6_K", "int8"),
         (Q.Q3_K, 12, "Q3_K_M", "int8"),
+        (Q.IQ4_XS, 30, "IQ4_XS", "int8"),
+        (Q.IQ4_NL, 25, "IQ4_NL", "int8"),
     ],
 )
 def test_k_quant_files_are_served_as_stored(wide, tmp_path, qtype, file_type, named, body):
-    """A Q4_K / Q5_K / Q6_K / Q3_K file's weights are served as its blocks say (every linear
-    layer and the embeddings dequantize to the file's values exactly), and the logits are
+    """A Q4_K / Q5_K / Q6_K / Q3_K / IQ4 file's weights are served as its blocks say (every
+    linear layer and the embeddings dequantize to the file's values exactly), and the logits are
     transformers' on those values, within int8 activations' rounding (the Q8_0 test's bound)."""
     path = tmp_path / f"tiny-{qtype.name}.gguf"
     files = write_k_quant_gguf(wide, path, lambda _: qtype, file_type)

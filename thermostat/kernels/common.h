@@ -510,7 +510,19 @@ torch::Tensor pack_records(torch::Tensor q, torch::Tensor d, torch::Tensor z, to
 // q int8 [B, weights], d float32 [B, weights / 16], m float32 [B, weights / 32], w = d q + m (m
 // -0.0 where the type has none). Layouts as ggml's dequantize_row_* read them.
 enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ3_K = 11,
-                          kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+                          kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23 };
+
+// IQ4_NL's and IQ4_XS's 16 levels (ggml's kvalues_iq4nl), named by a 4-bit index
+constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                   1,    13,   25,  38,  53,  69,  89,  113};
+
+// 16 bytes of 4-bit indices (K t low, 16 + t high) as their levels
+inline void iq4_block(const uint8_t* qs, int8_t* q) {
+  for (int t = 0; t < 16; ++t) {
+    q[t] = kIq4Levels[qs[t] & 15];
+    q[t + 16] = kIq4Levels[qs[t] >> 4];
+  }
+}
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -551,7 +563,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> unpack_gguf(torch::Tenso
     case kQ5_0: size = 22; break;
     case kQ5_1: size = 24; break;
     case kQ8_0: size = 34; break;
+    case kIQ4_NL: size = 18; break;
     case kQ3_K: weights = 256, size = 110; break;
+    case kIQ4_XS: weights = 256, size = 136; break;
     case kQ4_K: weights = 256, size = 144; break;
     case kQ5_K: weights = 256, size = 176; break;
     case kQ6_K: weights = 256, size = 210; break;
@@ -583,6 +597,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> unpack_gguf(torch::Tenso
           case kQ4_0: legacy_block(blk + 2, nullptr, -8, qb); break;
           case kQ4_1: legacy_block(blk + 4, nullptr, 0, qb); break;
           case kQ5_0: legacy_block(blk + 6, blk + 2, -16, qb); break;
+          case kIQ4_NL: iq4_block(blk + 2, qb); break;
           default: legacy_block(blk + 8, blk + 4, 0, qb); break;  // Q5_1
         }
         continue;
@@ -599,6 +614,17 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> unpack_gguf(torch::Tenso
         }
         for (int j = 0; j < 16; ++j) db[j] = scale * static_cast<float>(static_cast<int8_t>(blk[192 + j]));
         for (int j = 0; j < 8; ++j) mb[j] = -0.0f;
+        continue;
+      }
+      if (type == kIQ4_XS) {  // d, the scales' high 2 bits (uint16), their low 4, indices
+        const float scale = half_at(blk);
+        const int high = blk[2] | (blk[3] << 8);
+        for (int j = 0; j < 8; ++j) {
+          const int six = ((blk[4 + j / 2] >> (4 * (j % 2))) & 15) | (((high >> (2 * j)) & 3) << 4);
+          db[2 * j] = db[2 * j + 1] = scale * static_cast<float>(six - 32);
+          mb[j] = -0.0f;
+          iq4_block(blk + 8 + 16 * j, qb + 32 * j);
+        }
         continue;
       }
       if (type == kQ3_K) {  // hmask 32 bytes, 2-bit q 64, 12 bytes of 6-bit scales, d

@@ -21,6 +21,8 @@ kernels do the same in one pass (`unpack_gguf`, 0.1-0.7 ns a weight where this n
 | Q6_K | (d sc_j) (q - 32)       | q - 32  | d sc_j per 16, sc_j int8   | -         | 9       |
 | Q3_K | (d sc_j) q              | q - 4   | d sc_j per 16, sc_j 6-bit  | -         | 9       |
 |      |                         | (+4 h)  | minus 32                   |           |         |
+| IQ4_NL | d L[q]                | L[q]    | d fp16 (L: IQ4_LEVELS)     | -         | 8       |
+| IQ4_XS | (d sc_j) L[q]         | L[q]    | d sc_j, sc_j 6-bit - 32    | -         | 9       |
 
 Rows of different types in one weight (a fused qkv of a Q4_K_M file: Q4_K q and k, Q6_K v) take
 the format that holds them all: `bits` 9 holds every type above exactly.
@@ -53,17 +55,21 @@ FIELDS: dict[str, tuple[tuple[int, int] | None, ...]] = {
     "Q5_K": ((0, 2), (2, 2), (4, 12)),
     "Q6_K": ((208, 2), None, (192, 16)),
     "Q3_K": ((108, 2), None, (96, 12)),
+    "IQ4_NL": ((0, 2), None, None),
+    "IQ4_XS": ((0, 2), None, (2, 6)),
 }
 EXACT_TYPES = tuple(FIELDS)
-# a format whose rows are all of these types -> the format (else 9)
+FLOAT16_INT8 = frozenset({"Q8_0", "Q5_0", "IQ4_NL"})  # int8 q, a float16 d per 32: format 8
+# a format whose rows are all of one of these types -> the format (else 8 or 9)
 NARROW: dict[frozenset[str], Bits] = {
-    frozenset({"Q8_0"}): 8,
-    frozenset({"Q5_0"}): 8,
-    frozenset({"Q8_0", "Q5_0"}): 8,
     frozenset({"Q4_0"}): 4,
     frozenset({"Q4_1"}): 5,
     frozenset({"Q4_K"}): 6,
 }
+# IQ4's 16 levels (ggml's kvalues_iq4nl): q is the level its 4-bit index names
+IQ4_LEVELS = np.array(
+    (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), dtype=np.int8
+)
 # the integers' fields of a block: (byte start, byte end, bytes per run, shifts, mask, place),
 # each run of bytes giving its values shifted by each shift in turn (ggml's order: a run's low
 # nibbles, then its high ones), masked, then OR-ed in at bit `place` (a second field holds the
@@ -82,6 +88,9 @@ QUANTS: dict[str, tuple[tuple[BitField, ...], int]] = {
     "Q6_K": (((0, 128, 64, LOW_HIGH, 15, 0), (128, 192, 32, CRUMBS, 3, 4)), -32),
     # q = low + 4 h - 4: ggml's low - 4 where the mask's bit is 0
     "Q3_K": (((32, 96, 32, CRUMBS, 3, 0), (0, 32, 32, EIGHT, 1, 2)), -4),
+    # indices of IQ4_LEVELS
+    "IQ4_NL": (((2, 18, 16, LOW_HIGH, 15, 0),), 0),
+    "IQ4_XS": (((8, 136, 16, LOW_HIGH, 15, 0),), 0),
 }
 
 
@@ -118,11 +127,13 @@ class BlockGrid:
             assert scales_at is not None
             sc, mins = Q4_K.get_scale_min(blocks[:, scales_at[0] : scales_at[0] + 12])
             d, m = d * sc.astype(np.float32), -(m * mins.astype(np.float32))
+        elif qtype == "IQ4_XS":
+            d = d * _iq4_xs_scales(blocks[:, 2:8]).astype(np.float32)
         elif qtype in ("Q6_K", "Q3_K"):
             sc = _q3_k_scales(blocks[:, 96:108]) if qtype == "Q3_K" else blocks[:, 192:208]
             d = d * sc.view(np.int8).astype(np.float32)
             m = np.full((len(blocks), block // 32), -0.0, dtype=np.float32)
-        per_d = block // 16 // d.shape[1]  # 16-weight pieces per d: 2, except Q6_K's and Q3_K's 1
+        per_d = block // 16 // d.shape[1]  # 16-weight pieces per d: 2, Q6_K's and Q3_K's 1
         return cls(
             frozenset({qtype}),
             torch.from_numpy(q),
@@ -154,7 +165,7 @@ class BlockGrid:
     def packed(self, ops: LinearOps | None = None) -> QuantizedWeight:
         """The kernels' records in the narrowest format holding every row exactly (the table);
         `ops`: the kernels, which pack the int8 and int4 records in one pass."""
-        bits = NARROW.get(self.qtypes, 9)
+        bits = 8 if self.qtypes <= FLOAT16_INT8 else NARROW.get(self.qtypes, 9)
         per_32 = self.d[:, 0::2]  # the one d of a block (all but Q6_K)
         if bits == 8:
             return QuantizedWeight.pack(self.q.to(torch.int8), per_32.half(), ops=ops)
@@ -182,6 +193,8 @@ def integers(blocks: np.ndarray, qtype: str) -> np.ndarray:
         runs = blocks[:, start:end].reshape(len(blocks), -1, 1, run)
         values = (runs >> np.array(shifts, dtype=np.uint8).reshape(1, 1, -1, 1)) & np.uint8(mask)
         q = q | (values.reshape(len(blocks), -1) << np.uint8(place))
+    if qtype.startswith("IQ4"):
+        return IQ4_LEVELS[q]
     return q.view(np.int8) + np.int8(offset) if offset else q.view(np.int8)
 
 
@@ -205,6 +218,18 @@ def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
     low = packed[:, :8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
     high = packed[:, 8:].reshape(n, 1, 4) >> np.array(CRUMBS, dtype=np.uint8).reshape(1, 4, 1)
     six = (low.reshape(n, 16) & np.uint8(15)) | ((high.reshape(n, 16) & np.uint8(3)) << np.uint8(4))
+    return six.astype(np.int8) - np.int8(32)
+
+
+def _iq4_xs_scales(packed: np.ndarray) -> np.ndarray:
+    """An IQ4_XS block's 8 sub-block scales from its 6 bytes after d (the high 2 bits of each in
+    a little-endian uint16, the low 4 two to a byte), minus 32: int8 [blocks, 8] (gguf's
+    IQ4_XS.dequantize_blocks)."""
+    n = len(packed)
+    high = packed[:, :2].copy().view(np.uint16)  # [n, 1]
+    high = (high >> np.arange(0, 16, 2, dtype=np.uint16).reshape(1, 8)).astype(np.uint8)
+    low = packed[:, 2:].reshape(n, 4, 1) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2)
+    six = (low.reshape(n, 8) & np.uint8(15)) | ((high & np.uint8(3)) << np.uint8(4))
     return six.astype(np.int8) - np.int8(32)
 
 

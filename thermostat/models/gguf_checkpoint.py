@@ -23,6 +23,9 @@ projections for its rotary layout, which `read` undoes.
 |                  | (q - 32), q 6-bit, sc_j int8           |                                  |
 | Q3_K             | 256: 16 x 16, (d sc_j) q, q 3-bit      | int8 with a float32 scale per 16 |
 |                  | (-4..3), sc_j 6-bit minus 32           | (2)                              |
+| IQ4_NL           | 32: d L[q], L 16 int8 levels, q 4-bit  | int8, the levels and the file's d |
+| IQ4_XS           | 256: 8 x 32, (d sc_j) L[q], sc_j 6-bit | int8 with a float32 scale per 16 |
+|                  | minus 32                               | (2)                              |
 
 Every quantized tensor is served as stored (`grid`; gguf_blocks.py packs its blocks exactly),
 whatever the file's main type is; a fused projection whose parts differ (a Q4_K_M file's Q4_K
@@ -30,7 +33,8 @@ q and k with its Q6_K v) takes the record that holds both (int8 with float32 sca
 format reported (`serve_as`) is the main type's body: int4 for Q4_0, Q4_1 and Q4_K files, int8
 for the others; `--quantization` requantizes the dequantized weights instead. Stacked MoE experts
 ([E, ...] tensors) are served as stored expert by expert. Other types (Q2_K, whose minimums
-per 16 no record holds, and IQ*) are refused at open. The compute dtype ("auto") is the float file's, bfloat16 for a quantized one.
+per 16 no record holds, and the IQ1-IQ3 types) are refused at open. The compute dtype ("auto")
+is the float file's, bfloat16 for a quantized one.
 
 (1) The kernel adds m s sum(xq) per block, llama.cpp's Q4_1 x Q8_1 product (quant.py's
 `bits` 5). (2) A K-quant's block scale, its float16 d times a 6-bit (Q6_K: 8-bit) scale, needs
