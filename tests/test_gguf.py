@@ -654,6 +654,12 @@ def test_the_kernels_unpack_and_pack_blocks_as_the_numpy_code(ops, qtype):
     fused = BlockGrid.cat([kernel_grid, mixed])
     order = torch.randperm(79, generator=torch.Generator().manual_seed(0))
     assert torch.equal(fused.rows(order).packed(ops).packed, fused.rows(order).packed().packed)
+    for rows in ((64, 9), (128, 64, 1)):  # packed part by part into the weight's records
+        parts = [BlockGrid.read(random_blocks(r, 512, t, i), t.name, ops) for i, (r, t) in
+                 enumerate(zip(rows, (qtype, other, qtype), strict=False))]  # fmt: skip
+        joined = BlockGrid.joined(parts, ops)
+        assert torch.equal(joined.packed, BlockGrid.cat(parts).packed().packed)
+        assert joined.bits == BlockGrid.cat(parts).packed().bits
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     with pytest.raises(ValueError, match="unpack_gguf"):
         ops.unpack_gguf(torch.zeros(2, size + 1, dtype=torch.uint8), qtype.value)

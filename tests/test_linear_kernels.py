@@ -202,6 +202,11 @@ def test_records_packed_in_one_pass_are_the_tensor_codes(ops, bits, n, k):
     code = None if bits in (8, 4, 5) else bits
     tensor_code = QuantizedWeight.pack(q, d, z, m, bits=code)
     one_pass = QuantizedWeight.pack(q, d, z, m, bits=code, ops=ops)
+    given = torch.empty_like(tensor_code.packed)  # into records given (a fused weight's part)
+    assert QuantizedWeight.pack(q, d, z, m, bits=code, ops=ops, out=given).packed is given
+    assert torch.equal(given, tensor_code.packed)
+    with pytest.raises(ValueError, match="out must be"):
+        QuantizedWeight.pack(q, d, z, m, bits=code, ops=ops, out=given[..., :-1])
     assert one_pass.bits == tensor_code.bits == bits
     assert torch.equal(one_pass.packed, tensor_code.packed)
 

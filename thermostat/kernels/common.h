@@ -413,9 +413,10 @@ torch::Tensor quantize_int4(torch::Tensor w) {
 // 9, uint8 in [0, 15] for 4, 5 and 6); d [N, K / 32] float16 (8, 4, 5) or float32 (6; 9: [N, K
 // / 16], a scale per 16), z int8 [N, K / 32] (4, 5), m [N, K / 32] float16 (5) or float32 (6,
 // 9); all contiguous. N padded to 64 rows (scales 0, q 0) and K to 32 (q 0). One pass, where the
-// tensor code made a zero-filled copy and permuted it.
+// tensor code made a zero-filled copy and permuted it. Into `out` [N / 64, K / 32, record bytes]
+// (contiguous: a fused weight's groups of one part) where it is given, else a new tensor.
 torch::Tensor pack_records(torch::Tensor q, torch::Tensor d, torch::Tensor z, torch::Tensor m,
-                           int64_t bits) {
+                           int64_t bits, torch::Tensor out) {
   TORCH_CHECK_VALUE(bits == 8 || bits == 4 || bits == 5 || bits == 6 || bits == 9,
                     "pack_records: bits must be 8, 4, 5, 6 or 9");
   const bool wide = bits == 8 || bits == 9, f32 = bits == 6 || bits == 9;
@@ -455,7 +456,13 @@ torch::Tensor pack_records(torch::Tensor q, torch::Tensor d, torch::Tensor z, to
   }
   const int64_t header = bits == 8 ? 128 : bits == 4 ? 192 : bits == 5 ? 320 : bits == 6 ? 512 : 768;
   const int64_t record = header + (wide ? 2048 : 1024);
-  auto out = torch::empty({G, KB, record}, q.options().dtype(at::kByte));
+  if (out.numel() == 0) {
+    out = torch::empty({G, KB, record}, q.options().dtype(at::kByte));
+  }
+  TORCH_CHECK_VALUE(out.dim() == 3 && out.size(0) == G && out.size(1) == KB &&
+                        out.size(2) == record && out.is_contiguous() &&
+                        out.scalar_type() == at::kByte,
+                    "pack_records: out must be [", G, ", ", KB, ", ", record, "] contiguous uint8");
   const uint8_t* qp = bytes(q);
   uint8_t* op = out.data_ptr<uint8_t>();
   at::parallel_for(0, G * KB, 64, [&](int64_t b, int64_t e) {

@@ -39,7 +39,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize
 
-from thermostat.models.quant import Bits, QuantizedWeight
+from thermostat.models.quant import BODY, HEADER, Bits, QuantizedWeight
 
 if TYPE_CHECKING:
     from thermostat.kernels import LinearOps
@@ -162,25 +162,55 @@ class BlockGrid:
         w = self.q.view(rows, k // 16, 16).float().mul_(self.d.unsqueeze(-1))
         return w.view(rows, k // 32, 32).add_(self.m.unsqueeze(-1)).view(rows, k)
 
-    def packed(self, ops: LinearOps | None = None) -> QuantizedWeight:
-        """The kernels' records in the narrowest format holding every row exactly (the table);
-        `ops`: the kernels, which pack the int8 and int4 records in one pass."""
-        bits = 8 if self.qtypes <= FLOAT16_INT8 else NARROW.get(self.qtypes, 9)
-        per_32 = self.d[:, 0::2]  # the one d of a block (all but Q6_K)
+    @classmethod
+    def joined(cls, parts: list[BlockGrid], ops: LinearOps | None = None) -> QuantizedWeight:
+        """`cat(parts).packed(ops)`, with the kernels each part packed straight into its
+        groups of the weight's records (no joined copy of the parts) where every part but the
+        last fills whole groups of 64 rows."""
+        if ops is None or len(parts) == 1 or any(len(p.q) % 64 for p in parts[:-1]):
+            return cls.cat(parts).packed(ops)
+        bits = record_format(frozenset().union(*(p.qtypes for p in parts)))
+        n, k = sum(len(p.q) for p in parts), parts[0].q.shape[1]
+        groups, kb = (n + 63) // 64, (k + 31) // 32
+        records = torch.empty(groups, kb, HEADER[bits] + BODY[bits], dtype=torch.uint8)
+        first = 0
+        for part in parts:
+            last = first + (len(part.q) + 63) // 64
+            part.packed(ops, bits, records[first:last])
+            first = last
+        return QuantizedWeight(bits, n, k, records)
+
+    def packed(
+        self,
+        ops: LinearOps | None = None,
+        bits: Bits | None = None,
+        out: torch.Tensor | None = None,
+    ) -> QuantizedWeight:
+        """The kernels' records in `bits` (default: the narrowest format holding every row
+        exactly, `record_format`); `ops`: the kernels, which pack them in one pass, into `out`
+        where it is given (`joined`)."""
+        bits = bits or record_format(self.qtypes)
+        per_32 = self.d[:, 0::2]  # the one d of a block (all but Q6_K's, Q3_K's, ...)
         if bits == 8:
-            return QuantizedWeight.pack(self.q.to(torch.int8), per_32.half(), ops=ops)
+            return QuantizedWeight.pack(self.q, per_32.half(), ops=ops, out=out)
         if bits == 4:
             z = torch.full_like(per_32, 8, dtype=torch.int8)
-            return QuantizedWeight.pack((self.q + 8).to(torch.uint8), per_32.half(), z, ops=ops)
+            q = (self.q + 8).to(torch.uint8)
+            return QuantizedWeight.pack(q, per_32.half(), z, ops=ops, out=out)
         if bits == 5:
             z = torch.zeros_like(per_32, dtype=torch.int8)
-            return QuantizedWeight.pack(
-                self.q.to(torch.uint8), per_32.half(), z, self.m.half(), ops=ops
-            )
+            q, d, m = self.q.view(torch.uint8), per_32.half(), self.m.half()
+            return QuantizedWeight.pack(q, d, z, m, ops=ops, out=out)
         if bits == 6:
             q4 = self.q.view(torch.uint8)  # 0..15 either way
-            return QuantizedWeight.pack(q4, per_32.contiguous(), m=self.m, bits=6, ops=ops)
-        return QuantizedWeight.pack(self.q, self.d, m=self.m, bits=9, ops=ops)
+            d = per_32.contiguous()
+            return QuantizedWeight.pack(q4, d, m=self.m, bits=6, ops=ops, out=out)
+        return QuantizedWeight.pack(self.q, self.d, m=self.m, bits=9, ops=ops, out=out)
+
+
+def record_format(qtypes: frozenset[str]) -> Bits:
+    """The narrowest record format holding rows of all these types exactly (the table)."""
+    return 8 if qtypes <= FLOAT16_INT8 else NARROW.get(qtypes, 9)
 
 
 def integers(blocks: np.ndarray, qtype: str) -> np.ndarray:

@@ -88,12 +88,13 @@ class QuantizedWeight:
         m: torch.Tensor | None = None,
         bits: Bits | None = None,
         ops: LinearOps | None = None,
+        out: torch.Tensor | None = None,
     ) -> QuantizedWeight:
         """q [N, K] (int8 in [-128, 127] with z None; uint8 in [0, 15] with z), d [N, ceil(K /
         32)] float16, z the same shape int8, m (with z) float16 -> the kernel's layout. `bits` 6
         (q uint8 in [0, 15]) or 9 (q int8, d [N, 2 ceil(K / 32)]: a scale per 16) with d and m
         float32 and no z. `ops`: the kernels, which pack them in one pass (`pack_records`: the
-        same bytes)."""
+        same bytes), into `out` where it is given (a fused weight's records of this part)."""
         if bits is None:
             bits = 8 if z is None else (4 if m is None else 5)
         n, k = q.shape
@@ -112,8 +113,10 @@ class QuantizedWeight:
         ):
             minimum = None if m is None else m.to(scale_dtype).contiguous()
             zeros = None if z is None else z.contiguous()
-            records = ops.pack_records(q.contiguous(), d.contiguous(), zeros, minimum, bits)
+            records = ops.pack_records(q.contiguous(), d.contiguous(), zeros, minimum, bits, out)
             return cls(bits, n, k, records)
+        if out is not None:
+            raise ValueError("packing into given records needs the kernels and their dtypes")
         groups = (n + 63) // 64
         full = torch.zeros(groups * 64, kb * BLOCK, dtype=torch.uint8)
         if bits not in NIBBLES:

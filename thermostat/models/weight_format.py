@@ -86,7 +86,7 @@ class StoredWeights:
         if any(g is None for g in grids):
             return None
         self.served += 1
-        return BlockGrid.cat([g for g in grids if g is not None]).packed(self.ops)
+        return BlockGrid.joined([g for g in grids if g is not None], self.ops)
 
 
 def _first_row(part: tuple[tuple[int | slice, ...], str]) -> int:
