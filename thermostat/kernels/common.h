@@ -417,9 +417,9 @@ torch::Tensor quantize_int4(torch::Tensor w) {
 // (contiguous: a fused weight's groups of one part) where it is given, else a new tensor.
 torch::Tensor pack_records(torch::Tensor q, torch::Tensor d, torch::Tensor z, torch::Tensor m,
                            int64_t bits, torch::Tensor out) {
-  TORCH_CHECK_VALUE(bits == 8 || bits == 4 || bits == 5 || bits == 6 || bits == 9,
-                    "pack_records: bits must be 8, 4, 5, 6 or 9");
-  const bool wide = bits == 8 || bits == 9, f32 = bits == 6 || bits == 9;
+  TORCH_CHECK_VALUE(valid_bits(bits), "pack_records: bits must be 8, 4, 5, 6 or 9");
+  const QuantLayout layout = quant_layout(static_cast<int>(bits));
+  const bool wide = !layout.nibbles, f32 = layout.f32;
   TORCH_CHECK_VALUE(q.dim() == 2 && q.is_contiguous() && q.size(0) > 0 && q.size(1) > 0 &&
                         q.scalar_type() == (wide ? at::kChar : at::kByte),
                     "pack_records: q must be [N, K] contiguous, int8 (bits 8, 9) or uint8");
@@ -432,9 +432,9 @@ torch::Tensor pack_records(torch::Tensor q, torch::Tensor d, torch::Tensor z, to
                       "] contiguous");
   };
   const at::ScalarType scale_type = f32 ? at::kFloat : at::kHalf;
-  scales(d, scale_type, true, bits == 9 ? 2 : 1, f32 ? "d (float32)" : "d (float16)");
-  scales(z, at::kChar, bits == 4 || bits == 5, 1, "z (int8)");
-  scales(m, scale_type, bits == 5 || f32, 1, f32 ? "m (float32)" : "m (float16)");
+  scales(d, scale_type, true, layout.halves ? 2 : 1, f32 ? "d (float32)" : "d (float16)");
+  scales(z, at::kChar, layout.z >= 0, 1, "z (int8)");
+  scales(m, scale_type, layout.m >= 0, 1, f32 ? "m (float32)" : "m (float16)");
   // the header's fields, each 64 outputs' scales [c][n]: (source, bytes per scale, scales per
   // row, the first of a block's, where it starts in the record)
   struct Field {
@@ -445,17 +445,12 @@ torch::Tensor pack_records(torch::Tensor q, torch::Tensor d, torch::Tensor z, to
   const auto bytes = [](const torch::Tensor& t) {
     return reinterpret_cast<const uint8_t*>(t.data_ptr());
   };
-  std::vector<Field> fields;
-  if (bits == 9) {  // K 0-15's d, K 16-31's d, m
-    fields = {{bytes(d), 4, 2 * KB, 0, 0}, {bytes(d), 4, 2 * KB, 1, 256}, {bytes(m), 4, KB, 0, 512}};
-  } else {
-    fields = {{bytes(d), scale_bytes, KB, 0, 0}};
-    if (bits == 4 || bits == 5) fields.push_back({bytes(z), 1, KB, 0, 128});
-    if (bits == 5) fields.push_back({bytes(m), 2, KB, 0, 192});
-    if (bits == 6) fields.push_back({bytes(m), 4, KB, 0, 256});
-  }
-  const int64_t header = bits == 8 ? 128 : bits == 4 ? 192 : bits == 5 ? 320 : bits == 6 ? 512 : 768;
-  const int64_t record = header + (wide ? 2048 : 1024);
+  const int64_t per_d = layout.halves ? 2 * KB : KB;
+  std::vector<Field> fields = {{bytes(d), scale_bytes, per_d, 0, layout.d}};
+  if (layout.halves) fields.push_back({bytes(d), scale_bytes, per_d, 1, layout.d + 256});  // K 16-31
+  if (layout.z >= 0) fields.push_back({bytes(z), 1, KB, 0, layout.z});
+  if (layout.m >= 0) fields.push_back({bytes(m), scale_bytes, KB, 0, layout.m});
+  const int64_t header = layout.header, record = layout.record;
   if (out.numel() == 0) {
     out = torch::empty({G, KB, record}, q.options().dtype(at::kByte));
   }

@@ -168,17 +168,24 @@ class LinearsAsLoaded:
         exact = self.stored.weight(f"{path}.weight")
         if exact is None:
             return False
-        if path == "lm_head":
-            self.model.lm_head = QuantLinear(exact, None, self.ops)
-            return True
-        dtype = self.dtype or module.weight.dtype
-        self.model.embed_tokens = QuantEmbedding(exact, dtype, self.ops)
-        if getattr(getattr(self.model, "arch", None), "tie_word_embeddings", False):
-            self.model.lm_head = QuantLinear(exact, None, self.ops)
+        serve_table(self.model, path, exact, self.dtype or module.weight.dtype, self.ops)
         return True
 
 
 TABLES = ("embed_tokens", "lm_head")  # `quantize_model`'s: int8, or as the checkpoint stores them
+
+
+def serve_table(
+    model: nn.Module, path: str, table: QuantizedWeight, dtype: torch.dtype, ops: LinearOps
+) -> None:
+    """`table` as `model`'s LM head (`path` lm_head), or as its embeddings, which give the
+    layers `dtype` (and the LM head too where the model ties them)."""
+    if path == "lm_head":
+        model.lm_head = QuantLinear(table, None, ops)
+        return
+    model.embed_tokens = QuantEmbedding(table, dtype, ops)
+    if getattr(getattr(model, "arch", None), "tie_word_embeddings", False):
+        model.lm_head = QuantLinear(table, None, ops)
 
 
 def quantize_model(
@@ -205,9 +212,7 @@ def quantize_model(
         rows = embed.weight.detach() if isinstance(embed, nn.Embedding) else embed.table()
         exact = stored.weight("embed_tokens.weight") if stored is not None else None
         table = quantize(rows, "int8", ops) if exact is None else exact
-        model.embed_tokens = QuantEmbedding(table, dtype or rows.dtype, ops)
-        if tied:
-            model.lm_head = QuantLinear(table, None, ops)
+        serve_table(model, "embed_tokens", table, dtype or rows.dtype, ops)
     if head is not None and not tied and not isinstance(head, QuantLinear):
         exact = stored.weight("lm_head.weight") if stored is not None else None
         model.lm_head = (
