@@ -30,10 +30,10 @@ from thermostat.api.defaults import DefaultsReport
 from thermostat.cli import main
 from thermostat.engine.loader import load_model, model_config_dict, resolve_model_path
 from thermostat.models import gguf_checkpoint, gguf_reading
-from thermostat.models.gguf_blocks import BlockGrid
+from thermostat.models.gguf_blocks import BlockGrid, record_format
 from thermostat.models.gguf_checkpoint import GGUFCheckpoint
 from thermostat.models.linear import QuantEmbedding
-from thermostat.models.quant import reference_linear
+from thermostat.models.quant import SUPER, QuantizedWeight, reference_linear
 from thermostat.random_model import write_model
 from thermostat.sampling import Policy
 
@@ -574,7 +574,7 @@ def test_stacked_experts_are_served_as_stored(tmp_path, qtype):
         want = torch.cat([files[f"{prefix}.{p}_proj.weight"] for p in ("gate", "up")])
         assert torch.equal(gate_up.weight.dequantize(), want)
         assert torch.equal(down.weight.dequantize(), files[f"{prefix}.down_proj.weight"])
-        assert gate_up.weight.bits == (6 if qtype == Q.Q4_K else 9)
+        assert gate_up.weight.bits == (10 if qtype == Q.Q4_K else 11)  # super-block records
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     assert len(llm.generate([[5, 6, 7]], greedy)[0].token_ids) == 4
 
@@ -648,21 +648,41 @@ def test_the_kernels_unpack_and_pack_blocks_as_the_numpy_code(ops, qtype):
         assert (got.dtype, got.shape) == (want.dtype, want.shape)
         bits = torch.int8 if want.dtype == torch.int8 else torch.int32
         assert torch.equal(got.view(bits), want.view(bits))
-    assert torch.equal(kernel_grid.packed(ops).packed, numpy_grid.packed().packed)
+    classic = record_format(numpy_grid.qtypes)  # the numpy code's format, without super-blocks
+    assert torch.equal(kernel_grid.packed(ops, classic).packed, numpy_grid.packed().packed)
+    assert_same_weight(kernel_grid.packed(ops), numpy_grid.packed(), ops)
     other = Q.Q6_K if qtype != Q.Q6_K else Q.Q4_K
     mixed = BlockGrid.read(random_blocks(9, 512, other, 5), other.name)
     fused = BlockGrid.cat([kernel_grid, mixed])
     order = torch.randperm(79, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(fused.rows(order).packed(ops).packed, fused.rows(order).packed().packed)
+    classic = record_format(fused.qtypes)
+    reordered = fused.rows(order)
+    assert torch.equal(reordered.packed(ops, classic).packed, reordered.packed().packed)
+    assert_same_weight(reordered.packed(ops), reordered.packed(), ops)
     for rows in ((64, 9), (128, 64, 1)):  # packed part by part into the weight's records
         parts = [BlockGrid.read(random_blocks(r, 512, t, i), t.name, ops) for i, (r, t) in
                  enumerate(zip(rows, (qtype, other, qtype), strict=False))]  # fmt: skip
         joined = BlockGrid.joined(parts, ops)
-        assert torch.equal(joined.packed, BlockGrid.cat(parts).packed().packed)
-        assert joined.bits == BlockGrid.cat(parts).packed().bits
+        assert torch.equal(joined.packed, BlockGrid.cat(parts).packed(ops).packed)
+        assert joined.bits == BlockGrid.cat(parts).packed(ops).bits
+        assert_same_weight(joined, BlockGrid.cat(parts).packed(), ops)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     with pytest.raises(ValueError, match="unpack_gguf"):
         ops.unpack_gguf(torch.zeros(2, size + 1, dtype=torch.uint8), qtype.value)
+
+
+def assert_same_weight(got: QuantizedWeight, want: QuantizedWeight, ops) -> None:
+    """`got` (a super-block format, or any) holds `want`'s values, and the kernels' products and
+    rows from it are the same bits (any row count)."""
+    assert (got.bits == want.bits) == (got.bits not in SUPER)
+    assert torch.equal(got.dequantize().view(torch.int32), want.dequantize().view(torch.int32))
+    x = torch.randn(17, got.in_features, generator=torch.Generator().manual_seed(2))
+    for rows in (1, 2, 3, 17):
+        product = ops.linear_quant(x[:rows], got, None)
+        assert torch.equal(product, ops.linear_quant(x[:rows], want, None))
+    ids = torch.tensor([0, got.out_features - 1])
+    rows = ops.quant_rows(got, ids, torch.float32)
+    assert torch.equal(rows, ops.quant_rows(want, ids, torch.float32))
 
 
 def write_k_quant_gguf(src: Path, path: Path, qtype_of, file_type: int) -> dict[str, torch.Tensor]:
@@ -747,9 +767,9 @@ def test_k_quant_files_are_served_as_stored(wide, tmp_path, qtype, file_type, na
 
 def test_q4_k_m_file_is_served_as_stored(wide, tmp_path, caplog):
     """A Q4_K_M file (Q4_K, with Q6_K for v, the down projections and the embeddings): a fused
-    projection holding both types takes the format that holds both (`bits` 9), the Q4_K-only
-    ones 4-bit records (`bits` 6), every value the file's; it serves. `--quantization int4`
-    still requantizes, each block's 16 levels back within a step."""
+    projection holding both types takes the super-block format that holds both (`bits` 11), the
+    Q4_K-only ones 4-bit super-block records (`bits` 10), every value the file's; it serves.
+    `--quantization int4` still requantizes, each block's 16 levels back within a step."""
 
     def qtype_of(name: str) -> Q:
         return Q.Q6_K if any(p in name for p in ("v_proj", "down", "embed")) else Q.Q4_K
@@ -762,7 +782,7 @@ def test_q4_k_m_file_is_served_as_stored(wide, tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:")]
     assert said and re.fullmatch(r"weights: (\d+) of \1 as the file stores them", said[0]), said
     block = loaded.model.layers[0]
-    assert (block.self_attn.qkv_proj.weight.bits, block.self_attn.o_proj.weight.bits) == (9, 6)
+    assert (block.self_attn.qkv_proj.weight.bits, block.self_attn.o_proj.weight.bits) == (11, 10)
     qkv = torch.cat([files[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
     assert torch.equal(block.self_attn.qkv_proj.weight.dequantize(), qkv)
     want = files["model.layers.0.self_attn.o_proj.weight"]

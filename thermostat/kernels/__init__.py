@@ -95,18 +95,21 @@ class LinearOps:
         m: torch.Tensor | None,
         bits: int,
         out: torch.Tensor | None = None,
+        supers: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """QuantizedWeight.pack's records, byte for byte, for every format code (q int8 / uint8
-        [N, K]; d float16 [N, K / 32], z int8 and m float16 of its shape, or for codes 6 and 9 d
-        and m float32, 9's d [N, K / 16]; all contiguous), written into `out` (contiguous uint8
-        [ceil(N / 64), ceil(K / 32), record bytes]: a fused weight's records of one part) where
-        it is given."""
-        absent = d.new_empty(0)  # a format without z or m (or no `out`): not read
+        [N, K]; d float16 [N, K / 32], z int8 and m float16 of its shape, or for codes 6, 9, 10
+        and 11 d and m float32, 9's and 11's d [N, K / 16]; 10 and 11 also `supers` [N, K / 256,
+        2] float32, the super-blocks' d and dmin; all contiguous), written into `out`
+        (contiguous uint8 [ceil(N / 64), ceil(K / 32), bytes per K block]: a fused weight's
+        records of one part) where it is given."""
+        absent = d.new_empty(0)  # a format without z, m or supers (or no `out`): not read
         y: torch.Tensor = self.module.pack_records(
             q,
             d,
             absent if z is None else z,
             absent if m is None else m,
+            absent if supers is None else supers,
             bits,
             absent if out is None else out,
         )

@@ -444,32 +444,77 @@ inline __m256 load_scales(const uint8_t* rec, int64_t at, int lane) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + at + 2 * lane)));
 }
 
-// Row m's integer sums of half h (8 outputs) of column block c of one record (K block kb; code 9:
-// `acc` K 0-15's, `up` K 16-31's) into the row's running float sums (`sums`, [row][64]): common.h's
-// float step.
+// 8 of the super-block formats' float16 scales at `at` times their int8 integers at `ints`
+// (block_d, block_m: exact products)
+inline __m256 scaled_integers(const uint8_t* rec, int64_t at, int64_t ints, int lane) {
+  const __m256i j = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + ints + lane)));
+  return _mm256_mul_ps(load_scales<false>(rec, at, lane), _mm256_cvtepi32_ps(j));
+}
+
+// d of outputs [lane, lane + 8) of a block (its K half `half` where the format has two)
 template <int BITS>
-inline void add_half(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
-                     int64_t m, int c, int h, __m256i acc, __m256i up, float* sums) {
+inline __m256 block_scales(QuantBlock blk, int half, int lane) {
+  constexpr QuantLayout layout = quant_layout(BITS);
+  if constexpr (layout.blocks > 1) {
+    return scaled_integers(blk.rec, layout.d, layout.sc + (layout.halves ? 2 * blk.j + half : blk.j) * 64, lane);
+  }
+  return load_scales<layout.f32>(blk.rec, layout.d + (layout.halves ? 256 * half : 0), lane);
+}
+
+// m of outputs [lane, lane + 8) of a block (block_m's values), where the format has m
+template <int BITS>
+inline __m256 block_mins(QuantBlock blk, int lane) {
+  constexpr QuantLayout layout = quant_layout(BITS);
+  if constexpr (layout.blocks > 1) {  // -(dmin mn)
+    return _mm256_xor_ps(scaled_integers(blk.rec, layout.m, layout.mn + blk.j * 64, lane),
+                         _mm256_set1_ps(-0.0f));
+  }
+  return load_scales<layout.f32>(blk.rec, layout.m, lane);
+}
+
+// A block's scales as add_half reads them: from its record, or (a super-block format's) from
+// `expanded`, float32 [fields][64] (the d of each half, then m), multiplied out once for all
+// of the block's rows (the same values).
+template <int BITS>
+struct BlockScales {
+  static constexpr QuantLayout layout = quant_layout(BITS);
+  static constexpr int fields = (layout.halves ? 2 : 1) + 1;
+  QuantBlock blk;
+  const float* expanded;  // nullptr: from the record
+
+  __m256 d(int half, int lane) const {
+    return expanded ? _mm256_loadu_ps(expanded + half * 64 + lane) : block_scales<BITS>(blk, half, lane);
+  }
+  __m256 m(int lane) const {
+    return expanded ? _mm256_loadu_ps(expanded + (fields - 1) * 64 + lane) : block_mins<BITS>(blk, lane);
+  }
+};
+
+// Row m's integer sums of half h (8 outputs) of column block c of one block (K block kb; the
+// halves formats: `acc` K 0-15's, `up` K 16-31's) into the row's running float sums (`sums`,
+// [row][64]): common.h's float step.
+template <int BITS>
+inline void add_half(const QuantizedActivations& a, const BlockScales<BITS>& scales, int64_t KB,
+                     int64_t kb, int64_t m, int c, int h, __m256i acc, __m256i up, float* sums) {
   constexpr QuantLayout layout = quant_layout(BITS);
   const int64_t j = m * KB + kb;
   const int lane = c * 16 + h * 8;
   const __m256 s = _mm256_set1_ps(a.s[j]);
-  const __m256 d = load_scales<layout.f32>(rec, layout.d, lane);
+  const __m256 d = scales.d(0, lane);
   float* at = sums + m * 64 + lane;
   __m256 added;
   if constexpr (layout.halves) {  // the bytes' q are signed here (xor 0x80): no zero point
-    const __m256 d_hi = load_scales<true>(rec, layout.d + 256, lane);
+    const __m256 d_hi = scales.d(1, lane);
     added = _mm256_fmadd_ps(_mm256_mul_ps(d, s), _mm256_cvtepi32_ps(acc), _mm256_loadu_ps(at));
     added = _mm256_fmadd_ps(_mm256_mul_ps(d_hi, s), _mm256_cvtepi32_ps(up), added);
   } else {
     const __m256i z = layout.z < 0 ? _mm256_setzero_si256()
-                                   : _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + layout.z + lane)));
+                                   : _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales.blk.rec + layout.z + lane)));
     const __m256i fixed = _mm256_sub_epi32(acc, _mm256_mullo_epi32(z, _mm256_set1_epi32(a.sum[j])));
     added = _mm256_fmadd_ps(_mm256_mul_ps(d, s), _mm256_cvtepi32_ps(fixed), _mm256_loadu_ps(at));
   }
   if constexpr (layout.m >= 0) {  // m s sum(xq)
-    const __m256 mins = load_scales<layout.f32>(rec, layout.m, lane);
-    added = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.s[j] * static_cast<float>(a.sum[j])), added);
+    added = _mm256_fmadd_ps(scales.m(lane), _mm256_set1_ps(a.s[j] * static_cast<float>(a.sum[j])), added);
   }
   _mm256_storeu_ps(at, added);
 }
@@ -478,15 +523,16 @@ inline void add_half(const QuantizedActivations& a, const uint8_t* rec, int64_t 
 // at a time: the rows' integer sums stay in registers (both halves of 4 rows spilled), then are
 // added into the rows' running float sums. The integer sums are exact: any R, the same bits.
 template <int BITS, int R>
-inline void quant_block(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
-                        int64_t m0, int c, const int32_t* xt, float* sums) {
+inline void quant_block(const QuantizedActivations& a, const BlockScales<BITS>& scales, int64_t KB,
+                        int64_t kb, int64_t m0, int c, const int32_t* xt, float* sums) {
   constexpr QuantLayout layout = quant_layout(BITS);
+  const uint8_t* body = scales.blk.rec + layout.header + scales.blk.j * layout.body();
   const __m256i ones = _mm256_set1_epi16(1);
   for (int h = 0; h < 2; ++h) {
     __m256i acc[R], up[R];  // code 9: K 16-31 into up
     for (int r = 0; r < R; ++r) acc[r] = up[r] = _mm256_setzero_si256();
     for (int kq = 0; kq < (layout.nibbles ? 4 : 8); ++kq) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + layout.header + (kq * 4 + c) * 64 + 32 * h));
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + (kq * 4 + c) * 64 + 32 * h));
       if (!layout.nibbles) {
         const __m256i w = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80)));
         const __m256i w_abs = _mm256_sign_epi8(w, w);
@@ -505,16 +551,17 @@ inline void quant_block(const QuantizedActivations& a, const uint8_t* rec, int64
         }
       }
     }
-    for (int r = 0; r < R; ++r) add_half<BITS>(a, rec, KB, kb, m0 + r, c, h, acc[r], up[r], sums);
+    for (int r = 0; r < R; ++r) add_half<BITS>(a, scales, KB, kb, m0 + r, c, h, acc[r], up[r], sums);
   }
 }
 
 // One row x column blocks [c0, c0 + C) of a record: quant_block<BITS, 1>'s integer sums for each
 // block (exact, so the same), but K quads outer and blocks inner, reading the record in order.
 template <int BITS, int C>
-inline void quant_row(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
-                      int64_t m, int c0, float* sums) {
+inline void quant_row(const QuantizedActivations& a, const BlockScales<BITS>& scales, int64_t KB,
+                      int64_t kb, int64_t m, int c0, float* sums) {
   constexpr QuantLayout layout = quant_layout(BITS);
+  const uint8_t* body = scales.blk.rec + layout.header + scales.blk.j * layout.body();
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* xr = a.q.data() + m * KB * 32 + kb * 32;
   __m256i acc[C][2], up[C][2];  // code 9: K 16-31 into up
@@ -527,7 +574,7 @@ inline void quant_row(const QuantizedActivations& a, const uint8_t* rec, int64_t
     const __m256i xh = _mm256_set1_epi32(quad);  // int4: the high nibbles' K
     __m256i (&into)[C][2] = layout.halves && kq >= 4 ? up : acc;
     for (int c = 0; c < C; ++c) {
-      const uint8_t* p = rec + layout.header + (kq * 4 + c0 + c) * 64;
+      const uint8_t* p = body + (kq * 4 + c0 + c) * 64;
       for (int h = 0; h < 2; ++h) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
         __m256i pairs;
@@ -545,7 +592,7 @@ inline void quant_row(const QuantizedActivations& a, const uint8_t* rec, int64_t
     }
   }
   for (int c = 0; c < C; ++c) {
-    for (int h = 0; h < 2; ++h) add_half<BITS>(a, rec, KB, kb, m, c0 + c, h, acc[c][h], up[c][h], sums);
+    for (int h = 0; h < 2; ++h) add_half<BITS>(a, scales, KB, kb, m, c0 + c, h, acc[c][h], up[c][h], sums);
   }
 }
 
@@ -557,13 +604,23 @@ template <int BITS, typename T>
 void quant_group(const QuantizedActivations& a, int64_t M, const uint8_t* W, int64_t KB,
                  const float* bias, T* y, int64_t N, int64_t g, int c0, int C,
                  std::vector<float>& sums) {
-  constexpr int64_t record = quant_layout(BITS).record;
+  constexpr QuantLayout layout = quant_layout(BITS);
   sums.assign(M * 64, 0.0f);
   float* sp = sums.data();
   for (int64_t kb = 0; kb < KB; ++kb) {
-    const uint8_t* rec = W + (g * KB + kb) * record;
-    for (int64_t off = 0; off < record; off += 64) {  // (past the tensor's end: no fault)
-      _mm_prefetch(reinterpret_cast<const char*>(rec) + kPrefetchQuant + off, _MM_HINT_T0);
+    BlockScales<BITS> scales{quant_block_at<BITS>(W + g * KB * layout.stride(), kb), nullptr};
+    const uint8_t* ahead = W + (g * KB + kb) * layout.stride();  // this block's share of bytes
+    for (int64_t off = 0; off < layout.stride(); off += 64) {  // (past the tensor's end: no fault)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead) + kPrefetchQuant + off, _MM_HINT_T0);
+    }
+    alignas(32) float expanded[3 * 64];
+    if constexpr (layout.blocks > 1) {  // multiplied out once for every row
+      constexpr int fields = BlockScales<BITS>::fields;
+      for (int lane = c0 * 16; lane < (c0 + C) * 16; lane += 8) {
+        for (int h = 0; h < fields - 1; ++h) _mm256_storeu_ps(expanded + h * 64 + lane, scales.d(h, lane));
+        _mm256_storeu_ps(expanded + (fields - 1) * 64 + lane, scales.m(lane));
+      }
+      scales.expanded = expanded;
     }
     // rows [m, m + R) of x's K block kb as quads [quad][row], for broadcasts from one pointer
     int32_t xt[8 * kQuantRows];
@@ -573,7 +630,7 @@ void quant_group(const QuantizedActivations& a, int64_t M, const uint8_t* W, int
         const int8_t* xr = a.q.data() + (m + r) * KB * 32 + kb * 32;
         for (int q = 0; q < 8; ++q) std::memcpy(&xt[q * R + r], xr + 4 * q, 4);
       }
-      for (int c = c0; c < c0 + C; ++c) quant_block<BITS, R>(a, rec, KB, kb, m, c, xt, sp);
+      for (int c = c0; c < c0 + C; ++c) quant_block<BITS, R>(a, scales, KB, kb, m, c, xt, sp);
     };
     int64_t m = 0;
     for (; m + kQuantRows <= M; m += kQuantRows) tile(std::integral_constant<int, kQuantRows>(), m);
@@ -581,8 +638,8 @@ void quant_group(const QuantizedActivations& a, int64_t M, const uint8_t* W, int
     if (M - m == 3) tile(std::integral_constant<int, 3>(), m);
     if (M - m == 2) tile(std::integral_constant<int, 2>(), m);
     if (M - m == 1) {  // a row alone (every decode step of one sequence): the record in order
-      if (C == 4) quant_row<BITS, 4>(a, rec, KB, kb, m, c0, sp);
-      else quant_row<BITS, 2>(a, rec, KB, kb, m, c0, sp);
+      if (C == 4) quant_row<BITS, 4>(a, scales, KB, kb, m, c0, sp);
+      else quant_row<BITS, 2>(a, scales, KB, kb, m, c0, sp);
     }
   }
   for (int64_t m = 0; m < M; ++m) {

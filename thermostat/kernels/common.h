@@ -131,11 +131,16 @@ void check_vnni_packed(const torch::Tensor& packed) {
 }
 
 struct QuantLayout {
-  int64_t header, record;  // bytes of the scales (d, z, m) and of a whole record
+  int64_t header, record;  // bytes of a record's scales (d, z, m) and of a whole record
   bool nibbles;            // 4-bit body (else int8, stored q + 128)
   int64_t d, z, m;         // offsets of d, z and m in the header (-1: none)
   bool f32;                // d and m float32 (else float16)
-  bool halves;             // two d per block: K 0-15 at d, K 16-31 at d + 256
+  bool halves;             // two d per block: K 0-15 at d (or sc), K 16-31 at d + 256 (sc + 64)
+  int64_t blocks = 1;      // K blocks a record holds: 8 for the super-block formats (10, 11)
+  int64_t sc = -1, mn = -1;  // those formats' int8 scales [block][(half)][64] and minimums
+                             // [block][64]; d and m are then the super-block's d and dmin
+  constexpr int64_t body() const { return nibbles ? 1024 : 2048; }  // one K block's weights
+  constexpr int64_t stride() const { return record / blocks; }      // bytes per K block
 };
 
 // The table above.
@@ -145,12 +150,51 @@ constexpr QuantLayout quant_layout(int bits) {
     case 4: return {192, 192 + 1024, true, 0, 128, -1, false, false};
     case 5: return {320, 320 + 1024, true, 0, 128, 192, false, false};
     case 6: return {512, 512 + 1024, true, 0, -1, 256, true, false};
+    case 10: return {1280, 1280 + 8 * 1024, true, 0, -1, 128, false, false, 8, 256, 768};
+    case 11: return {1792, 1792 + 8 * 2048, false, 0, -1, 128, false, true, 8, 256, 1280};
     default: return {768, 768 + 2048, false, 0, -1, 512, true, true};  // 9
   }
 }
 
 constexpr bool valid_bits(int64_t bits) {
-  return bits == 8 || bits == 4 || bits == 5 || bits == 6 || bits == 9;
+  return bits == 8 || bits == 4 || bits == 5 || bits == 6 || bits == 9 || bits == 10 || bits == 11;
+}
+
+// K block kb of a group's records (`group`: its first byte): the record holding it and the
+// block's place there (0 but in the super-block formats).
+struct QuantBlock {
+  const uint8_t* rec;
+  int j;
+};
+
+template <int BITS>
+inline QuantBlock quant_block_at(const uint8_t* group, int64_t kb) {
+  constexpr QuantLayout layout = quant_layout(BITS);
+  return {group + kb / layout.blocks * layout.record, static_cast<int>(kb % layout.blocks)};
+}
+
+// Output `lane`'s d (K half `half` of the halves formats) and m (0 where the format has none) of
+// a block, in float32, as the kernels compute them: a super-block format's d sc and -(dmin mn),
+// each product exact (float16 times an int8), so the same values as formats 6 and 9
+// store.
+inline float block_d(const QuantLayout& L, QuantBlock b, int half, int64_t lane) {
+  if (L.blocks > 1) {
+    const int8_t sc = static_cast<int8_t>(b.rec[L.sc + ((L.halves ? 2 * b.j + half : b.j) * 64) + lane]);
+    return static_cast<float>(reinterpret_cast<const c10::Half*>(b.rec + L.d)[lane]) * static_cast<float>(sc);
+  }
+  const int64_t at = L.d + (L.halves ? 256 * half : 0);
+  return L.f32 ? reinterpret_cast<const float*>(b.rec + at)[lane]
+               : static_cast<float>(reinterpret_cast<const c10::Half*>(b.rec + at)[lane]);
+}
+
+inline float block_m(const QuantLayout& L, QuantBlock b, int64_t lane) {
+  if (L.m < 0) return 0.0f;
+  if (L.blocks > 1) {
+    const int8_t mn = static_cast<int8_t>(b.rec[L.mn + b.j * 64 + lane]);
+    return -(static_cast<float>(reinterpret_cast<const c10::Half*>(b.rec + L.m)[lane]) * static_cast<float>(mn));
+  }
+  return L.f32 ? reinterpret_cast<const float*>(b.rec + L.m)[lane]
+               : static_cast<float>(reinterpret_cast<const c10::Half*>(b.rec + L.m)[lane]);
 }
 
 // f(std::integral_constant<int, BITS>()) for the format code `bits` (checked before).
@@ -161,6 +205,8 @@ void with_quant_format(int64_t bits, const F& f) {
     case 4: f(std::integral_constant<int, 4>()); break;
     case 5: f(std::integral_constant<int, 5>()); break;
     case 6: f(std::integral_constant<int, 6>()); break;
+    case 10: f(std::integral_constant<int, 10>()); break;
+    case 11: f(std::integral_constant<int, 11>()); break;
     default: f(std::integral_constant<int, 9>()); break;
   }
 }
@@ -180,10 +226,11 @@ struct QuantizedActivations {
 };
 
 void check_quant_packed(const torch::Tensor& packed, int64_t bits) {
-  TORCH_CHECK_VALUE(valid_bits(bits), "linear_quant: bits must be 8, 4, 5, 6 or 9");
+  TORCH_CHECK_VALUE(valid_bits(bits), "linear_quant: bits must be 8, 4, 5, 6, 9, 10 or 11");
   TORCH_CHECK_VALUE(packed.dim() == 3 && packed.is_contiguous() &&
                         packed.scalar_type() == at::kByte &&
-                        packed.size(2) == quant_layout(static_cast<int>(bits)).record,
+                        packed.size(2) == quant_layout(static_cast<int>(bits)).stride() &&
+                        packed.size(1) % quant_layout(static_cast<int>(bits)).blocks == 0,
                     "linear_quant: weight must be packed int", bits);
 }
 
@@ -191,10 +238,11 @@ void check_quant_packed(const torch::Tensor& packed, int64_t bits) {
 // lookup): w = float(q - z) * float(d) (+ m), rounded once, as QuantizedWeight.rows computes it.
 torch::Tensor quant_rows(torch::Tensor packed, torch::Tensor ids, int64_t n, int64_t k,
                          int64_t bits, at::ScalarType dtype) {
-  TORCH_CHECK_VALUE(valid_bits(bits), "quant_rows: bits must be 8, 4, 5, 6 or 9");
+  TORCH_CHECK_VALUE(valid_bits(bits), "quant_rows: bits must be 8, 4, 5, 6, 9, 10 or 11");
   const QuantLayout layout = quant_layout(static_cast<int>(bits));
   TORCH_CHECK_VALUE(packed.dim() == 3 && packed.is_contiguous() &&
-                        packed.scalar_type() == at::kByte && packed.size(2) == layout.record,
+                        packed.scalar_type() == at::kByte && packed.size(2) == layout.stride() &&
+                        packed.size(1) % layout.blocks == 0,
                     "quant_rows: weight must be packed int", bits);
   const int64_t KB = packed.size(1);
   TORCH_CHECK_VALUE(k <= KB * 32 && k > KB * 32 - 32 && n <= packed.size(0) * 64,
@@ -213,18 +261,16 @@ torch::Tensor quant_rows(torch::Tensor packed, torch::Tensor ids, int64_t n, int
     for (int64_t t = 0; t < T; ++t) {
       const int64_t g = ip[t] / 64, lane = ip[t] % 64, c = lane / 16, j = lane % 16;
       for (int64_t kb = 0; kb < KB; ++kb) {
-        const uint8_t* rec = wp + (g * KB + kb) * layout.record;
-        auto scale = [&](int64_t at) {
-          return layout.f32 ? reinterpret_cast<const float*>(rec + at)[lane]
-                            : static_cast<float>(reinterpret_cast<const c10::Half*>(rec + at)[lane]);
-        };
-        const float z = layout.nibbles ? (layout.z < 0 ? 0.0f : static_cast<float>(static_cast<int8_t>(rec[layout.z + lane])))
+        const QuantBlock b = {wp + g * KB * layout.stride() + kb / layout.blocks * layout.record,
+                              static_cast<int>(kb % layout.blocks)};
+        const uint8_t* body = b.rec + layout.header + b.j * layout.body();
+        const float z = layout.nibbles ? (layout.z < 0 ? 0.0f : static_cast<float>(static_cast<int8_t>(b.rec[layout.z + lane])))
                                        : 128.0f;
-        const float m = layout.m < 0 ? 0.0f : scale(layout.m);
+        const float m = block_m(layout, b, lane);
         for (int64_t i = 0; i < 32 && kb * 32 + i < k; ++i) {
-          const float d = scale(layout.halves && i >= 16 ? 256 : 0);
+          const float d = block_d(layout, b, i >= 16 ? 1 : 0, lane);
           const int64_t kq = layout.nibbles ? (i % 16) / 4 : i / 4, part = i % 4;
-          const uint8_t byte = rec[layout.header + ((kq * 4 + c) * 16 + j) * 4 + part];
+          const uint8_t byte = body[((kq * 4 + c) * 16 + j) * 4 + part];
           const int q = layout.nibbles ? (i < 16 ? byte & 15 : byte >> 4) : byte;
           op[t * k + kb * 32 + i] = static_cast<scalar_t>(std::fma(static_cast<float>(q) - z, d, m));
         }
@@ -409,21 +455,38 @@ torch::Tensor quantize_int4(torch::Tensor w) {
   });
 }
 
-// QuantizedWeight.pack's records, byte for byte, for every format code: q [N, K] (int8 for 8 and
-// 9, uint8 in [0, 15] for 4, 5 and 6); d [N, K / 32] float16 (8, 4, 5) or float32 (6; 9: [N, K
-// / 16], a scale per 16), z int8 [N, K / 32] (4, 5), m [N, K / 32] float16 (5) or float32 (6,
-// 9); all contiguous. N padded to 64 rows (scales 0, q 0) and K to 32 (q 0). One pass, where the
-// tensor code made a zero-filled copy and permuted it. Into `out` [N / 64, K / 32, record bytes]
-// (contiguous: a fused weight's groups of one part) where it is given, else a new tensor.
+// The integer j with d == scale j to the bit (scale j negated: `negated`), j in [-128, 127]
+// (Q6_K's scales take all of int8), for a super-block format's scales (scale 0: d must be 0 j,
+// the sign of zero included).
+inline int8_t integer_scale(float d, float scale, bool negated) {
+  const auto times = [&](float j) { return negated ? -(scale * j) : scale * j; };
+  float j = scale != 0.0f ? std::nearbyint((negated ? -d : d) / scale) : 0.0f;
+  if (scale == 0.0f && std::signbit(times(j)) != std::signbit(d)) j = -1.0f;  // a zero's sign
+  const float back = times(j);
+  TORCH_CHECK_VALUE(j >= -128.0f && j <= 127.0f && std::memcmp(&back, &d, 4) == 0,
+                    "pack_records: a scale is not its super-block's d (dmin) times an integer");
+  return static_cast<int8_t>(j);
+}
+
+// QuantizedWeight.pack's records, byte for byte, for every format code: q [N, K] (int8 for 8, 9
+// and 11, uint8 in [0, 15] for 4, 5, 6 and 10); d [N, K / 32] float16 (8, 4, 5) or float32 (6,
+// 10; 9, 11: [N, K / 16], a scale per 16), z int8 [N, K / 32] (4, 5), m [N, K / 32] float16 (5)
+// or float32 (6, 9, 10, 11); for the super-block formats (10, 11) `supers` [N, K / 256, 2]
+// float32, each super-block's d and dmin (float16 values), of which every d and -m of its blocks
+// must be an integer multiple (a K-quant's own: checked to the bit). All contiguous. N padded to
+// 64 rows (scales 0, q 0) and K to 32 (q 0). One pass, where the tensor code made a zero-filled
+// copy and permuted it. Into `out` [N / 64, K / 32, bytes per K block] (contiguous: a fused
+// weight's groups of one part) where it is given, else a new tensor.
 torch::Tensor pack_records(torch::Tensor q, torch::Tensor d, torch::Tensor z, torch::Tensor m,
-                           int64_t bits, torch::Tensor out) {
-  TORCH_CHECK_VALUE(valid_bits(bits), "pack_records: bits must be 8, 4, 5, 6 or 9");
+                           torch::Tensor supers, int64_t bits, torch::Tensor out) {
+  TORCH_CHECK_VALUE(valid_bits(bits), "pack_records: bits must be 8, 4, 5, 6, 9, 10 or 11");
   const QuantLayout layout = quant_layout(static_cast<int>(bits));
-  const bool wide = !layout.nibbles, f32 = layout.f32;
+  const bool wide = !layout.nibbles, f32 = layout.f32 || layout.blocks > 1;
   TORCH_CHECK_VALUE(q.dim() == 2 && q.is_contiguous() && q.size(0) > 0 && q.size(1) > 0 &&
                         q.scalar_type() == (wide ? at::kChar : at::kByte),
-                    "pack_records: q must be [N, K] contiguous, int8 (bits 8, 9) or uint8");
+                    "pack_records: q must be [N, K] contiguous, int8 (bits 8, 9, 11) or uint8");
   const int64_t N = q.size(0), K = q.size(1), G = (N + 63) / 64, KB = (K + 31) / 32;
+  const int64_t per_d = layout.halves ? 2 : 1;
   const auto scales = [&](const torch::Tensor& t, at::ScalarType type, bool used, int64_t per,
                           const char* what) {
     TORCH_CHECK_VALUE(!used || (t.dim() == 2 && t.size(0) == N && t.size(1) == per * KB &&
@@ -432,74 +495,101 @@ torch::Tensor pack_records(torch::Tensor q, torch::Tensor d, torch::Tensor z, to
                       "] contiguous");
   };
   const at::ScalarType scale_type = f32 ? at::kFloat : at::kHalf;
-  scales(d, scale_type, true, layout.halves ? 2 : 1, f32 ? "d (float32)" : "d (float16)");
+  scales(d, scale_type, true, per_d, f32 ? "d (float32)" : "d (float16)");
   scales(z, at::kChar, layout.z >= 0, 1, "z (int8)");
   scales(m, scale_type, layout.m >= 0, 1, f32 ? "m (float32)" : "m (float16)");
-  // the header's fields, each 64 outputs' scales [c][n]: (source, bytes per scale, scales per
-  // row, the first of a block's, where it starts in the record)
-  struct Field {
-    const uint8_t* data;
-    int64_t width, per_row, first, at;
-  };
-  const int64_t scale_bytes = f32 ? 4 : 2;
+  const int64_t SB = KB / layout.blocks;  // records per group
+  if (layout.blocks > 1) {
+    TORCH_CHECK_VALUE(KB % layout.blocks == 0, "pack_records: K must be a multiple of 256");
+    TORCH_CHECK_VALUE(supers.dim() == 3 && supers.size(0) == N && supers.size(1) == SB &&
+                          supers.size(2) == 2 && supers.is_contiguous() &&
+                          supers.scalar_type() == at::kFloat,
+                      "pack_records: supers must be [N, K / 256, 2] contiguous float32");
+  }
+  const int64_t stride = layout.stride();
+  if (out.numel() == 0) {
+    out = torch::empty({G, KB, stride}, q.options().dtype(at::kByte));
+  }
+  TORCH_CHECK_VALUE(out.dim() == 3 && out.size(0) == G && out.size(1) == KB &&
+                        out.size(2) == stride && out.is_contiguous() &&
+                        out.scalar_type() == at::kByte,
+                    "pack_records: out must be [", G, ", ", KB, ", ", stride, "] contiguous uint8");
   const auto bytes = [](const torch::Tensor& t) {
     return reinterpret_cast<const uint8_t*>(t.data_ptr());
   };
-  const int64_t per_d = layout.halves ? 2 * KB : KB;
-  std::vector<Field> fields = {{bytes(d), scale_bytes, per_d, 0, layout.d}};
-  if (layout.halves) fields.push_back({bytes(d), scale_bytes, per_d, 1, layout.d + 256});  // K 16-31
-  if (layout.z >= 0) fields.push_back({bytes(z), 1, KB, 0, layout.z});
-  if (layout.m >= 0) fields.push_back({bytes(m), scale_bytes, KB, 0, layout.m});
-  const int64_t header = layout.header, record = layout.record;
-  if (out.numel() == 0) {
-    out = torch::empty({G, KB, record}, q.options().dtype(at::kByte));
-  }
-  TORCH_CHECK_VALUE(out.dim() == 3 && out.size(0) == G && out.size(1) == KB &&
-                        out.size(2) == record && out.is_contiguous() &&
-                        out.scalar_type() == at::kByte,
-                    "pack_records: out must be [", G, ", ", KB, ", ", record, "] contiguous uint8");
-  const uint8_t* qp = bytes(q);
+  const uint8_t *qp = bytes(q), *dp = bytes(d), *zp = layout.z >= 0 ? bytes(z) : nullptr;
+  const uint8_t* mp = layout.m >= 0 ? bytes(m) : nullptr;
+  const float* sp = layout.blocks > 1 ? supers.data_ptr<float>() : nullptr;
+  const int64_t scale_bytes = f32 ? 4 : 2;
   uint8_t* op = out.data_ptr<uint8_t>();
-  at::parallel_for(0, G * KB, 64, [&](int64_t b, int64_t e) {
+  // output i's 32 weights of K block kb (row `row`; `real`: not padding) into its body bytes
+  const auto weights = [&](uint8_t* body, int64_t row, bool real, int64_t kb) {
+    const uint8_t* qr = real ? qp + row * K + kb * 32 : qp;
+    const int64_t width = real ? std::min<int64_t>(32, K - kb * 32) : 0;  // q past it: 0
+    if (width == 32) {  // 4 bytes at a time: K 4 kq + j of a quad are adjacent
+      for (int kq = 0; kq < (wide ? 8 : 4); ++kq) {
+        uint32_t quad, high;
+        std::memcpy(&quad, qr + 4 * kq, 4);
+        if (wide) {
+          quad ^= 0x80808080u;  // q + 128 of each int8
+        } else {
+          std::memcpy(&high, qr + 16 + 4 * kq, 4);
+          quad |= high << 4;  // nibbles: no byte carries into the next
+        }
+        std::memcpy(body + kq * 256, &quad, 4);
+      }
+    } else if (wide) {
+      for (int t = 0; t < 32; ++t) {
+        body[(t / 4) * 256 + t % 4] = t < width ? static_cast<uint8_t>(qr[t] + 128) : 128;
+      }
+    } else {
+      for (int t = 0; t < 16; ++t) {
+        const int lo = t < width ? qr[t] : 0, hi = t + 16 < width ? qr[t + 16] : 0;
+        body[(t / 4) * 256 + t % 4] = static_cast<uint8_t>(lo | (hi << 4));
+      }
+    }
+  };
+  // a field of scales of output i (row `row`): `width` bytes from `data` (per_row of them a
+  // row, the first at `first`), or zeros for padding
+  const auto field = [&](uint8_t* to, const uint8_t* data, int64_t width, int64_t per_row,
+                         int64_t first, int64_t row, bool real) {
+    if (real) std::memcpy(to, data + (row * per_row + first) * width, width);
+    else std::memset(to, 0, width);
+  };
+  at::parallel_for(0, G * SB, layout.blocks > 1 ? 8 : 64, [&](int64_t b, int64_t e) {
     for (int64_t u = b; u < e; ++u) {
-      const int64_t g = u / KB, kb = u % KB;
-      uint8_t* rec = op + u * record;
+      const int64_t g = u / SB, s = u % SB;
+      uint8_t* rec = op + u * layout.record;
       for (int64_t i = 0; i < 64; ++i) {
         const int64_t row = g * 64 + i;
         const bool real = row < N;
-        for (const Field& f : fields) {
-          uint8_t* to = rec + f.at + i * f.width;
-          if (real) {
-            std::memcpy(to, f.data + (row * f.per_row + kb * (f.per_row / KB) + f.first) * f.width,
-                        f.width);
-          } else {
-            std::memset(to, 0, f.width);
+        if (layout.blocks == 1) {  // d (two: halves), z, m of the one block s
+          field(rec + layout.d + i * scale_bytes, dp, scale_bytes, per_d * KB, per_d * s, row, real);
+          if (layout.halves) {
+            field(rec + layout.d + 256 + i * scale_bytes, dp, scale_bytes, 2 * KB, 2 * s + 1, row, real);
           }
+          if (layout.z >= 0) field(rec + layout.z + i, zp, 1, KB, s, row, real);
+          if (layout.m >= 0) field(rec + layout.m + i * scale_bytes, mp, scale_bytes, KB, s, row, real);
+          weights(body_of(rec, layout.header, i), row, real, s);
+          continue;
         }
-        uint8_t* body = body_of(rec, header, i);
-        const uint8_t* qr = real ? qp + row * K + kb * 32 : qp;
-        const int64_t width = real ? std::min<int64_t>(32, K - kb * 32) : 0;  // q past it: 0
-        if (width == 32) {  // 4 bytes at a time: K 4 kq + j of a quad are adjacent
-          for (int kq = 0; kq < (wide ? 8 : 4); ++kq) {
-            uint32_t quad, high;
-            std::memcpy(&quad, qr + 4 * kq, 4);
-            if (wide) {
-              quad ^= 0x80808080u;  // q + 128 of each int8
-            } else {
-              std::memcpy(&high, qr + 16 + 4 * kq, 4);
-              quad |= high << 4;  // nibbles: no byte carries into the next
-            }
-            std::memcpy(body + kq * 256, &quad, 4);
+        // the super-block's d and dmin as float16, its blocks' integer scales and minimums
+        const float super_d = real ? sp[(row * SB + s) * 2] : 0.0f;
+        const float super_m = real ? sp[(row * SB + s) * 2 + 1] : 0.0f;
+        const c10::Half hd(super_d), hm(super_m);
+        TORCH_CHECK_VALUE(static_cast<float>(hd) == super_d && static_cast<float>(hm) == super_m,
+                          "pack_records: supers must hold float16 values");
+        reinterpret_cast<c10::Half*>(rec + layout.d)[i] = hd;
+        reinterpret_cast<c10::Half*>(rec + layout.m)[i] = hm;
+        for (int64_t j = 0; j < layout.blocks; ++j) {
+          const int64_t kb = s * layout.blocks + j;
+          for (int64_t h = 0; h < per_d; ++h) {
+            const float dv = real ? reinterpret_cast<const float*>(dp)[row * per_d * KB + per_d * kb + h] : 0.0f;
+            rec[layout.sc + (j * per_d + h) * 64 + i] = static_cast<uint8_t>(integer_scale(dv, super_d, false));
           }
-        } else if (wide) {
-          for (int t = 0; t < 32; ++t) {
-            body[(t / 4) * 256 + t % 4] = t < width ? static_cast<uint8_t>(qr[t] + 128) : 128;
-          }
-        } else {
-          for (int t = 0; t < 16; ++t) {
-            const int lo = t < width ? qr[t] : 0, hi = t + 16 < width ? qr[t + 16] : 0;
-            body[(t / 4) * 256 + t % 4] = static_cast<uint8_t>(lo | (hi << 4));
-          }
+          const float mv = real ? reinterpret_cast<const float*>(mp)[row * KB + kb] : -0.0f;
+          rec[layout.mn + j * 64 + i] = static_cast<uint8_t>(integer_scale(mv, super_m, true));
+          weights(rec + layout.header + j * layout.body() + (i / 16) * 64 + (i % 16) * 4, row, real, kb);
         }
       }
     }

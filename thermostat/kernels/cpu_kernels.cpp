@@ -969,13 +969,13 @@ void quantize_blocks(const T* xp, int64_t K, int64_t stride, int64_t KB, Quantiz
 // dot products of the block's K quads [kq0, kq1) (4 bytes of K each; a 4-bit body's quad kq holds
 // K 4kq.. and 16 + 4kq..), exact, into acc.
 template <int BITS, int R, int C, bool PREFETCH>
-inline void block_dots(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
+inline void block_dots(const QuantizedActivations& a, QuantBlock blk, int64_t KB, int64_t kb,
                        int64_t m0, int c0, int kq0, int kq1, __m512i (&acc)[R][C]) {
   constexpr QuantLayout layout = quant_layout(BITS);
   const int64_t Kp = KB * 32;
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
-  const uint8_t* wp = rec + layout.header;
+  const uint8_t* wp = blk.rec + layout.header + blk.j * layout.body();
   for (int kq = kq0; kq < kq1; ++kq) {
     __m512i w[C], w_hi[C];
     for (int c = 0; c < C; ++c) {
@@ -1012,37 +1012,95 @@ inline __m512 load_scales(const uint8_t* rec, int64_t at, int cc) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + at + cc * 32)));
 }
 
-// Column block cc's running sums of row m (K blocks before kb) plus K block kb's: the integer dot
-// products `dots` less z sum(xq), times d s, added in one fused step (code 9: one half's, `half`
-// 0 for K 0-15, then 1 for K 16-31, against that half's d and sum(xq)).
+// 16 of the super-block formats' float16 scales at `at` times their int8 integers at `ints`
+// (block_d, block_m: exact products)
+inline __m512 scaled_integers(const uint8_t* rec, int64_t at, int64_t ints, int cc) {
+  const __m512i j = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + ints + cc * 16)));
+  return _mm512_mul_ps(load_scales<false>(rec, at, cc), _mm512_cvtepi32_ps(j));
+}
+
+// Column block cc's d of a block (its K half `half` where the format has two), block_d's values
 template <int BITS>
-inline __m512 add_dots(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
-                       int64_t m, int cc, int half, __m512i dots, __m512 sums) {
+inline __m512 block_scales(QuantBlock blk, int half, int cc) {
+  constexpr QuantLayout layout = quant_layout(BITS);
+  if constexpr (layout.blocks > 1) {
+    return scaled_integers(blk.rec, layout.d, layout.sc + (layout.halves ? 2 * blk.j + half : blk.j) * 64, cc);
+  }
+  return load_scales<layout.f32>(blk.rec, layout.d + (layout.halves ? 256 * half : 0), cc);
+}
+
+// Column block cc's m of a block (block_m's values), where the format has m
+template <int BITS>
+inline __m512 block_mins(QuantBlock blk, int cc) {
+  constexpr QuantLayout layout = quant_layout(BITS);
+  if constexpr (layout.blocks > 1) {  // -(dmin mn)
+    return _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(scaled_integers(blk.rec, layout.m, layout.mn + blk.j * 64, cc)),
+        _mm512_set1_epi32(static_cast<int32_t>(0x80000000u))));
+  }
+  return load_scales<layout.f32>(blk.rec, layout.m, cc);
+}
+
+// A group's block scales d and m: read from its records, or (a super-block format's, where
+// several row tiles would each multiply them out again) from `expanded`, float32 [KB][fields][64]
+// (the d of each half, then m) multiplied out once for the group (the same values).
+template <int BITS>
+struct GroupScales {
+  static constexpr QuantLayout layout = quant_layout(BITS);
+  static constexpr int fields = (layout.halves ? 2 : 1) + 1;
+  const uint8_t* group;
+  const float* expanded;  // nullptr: from the records
+
+  __m512 d(int64_t kb, int half, int cc) const {
+    if (expanded) return _mm512_loadu_ps(expanded + (kb * fields + half) * 64 + cc * 16);
+    return block_scales<BITS>(quant_block_at<BITS>(group, kb), half, cc);
+  }
+  __m512 m(int64_t kb, int cc) const {
+    if (expanded) return _mm512_loadu_ps(expanded + (kb * fields + fields - 1) * 64 + cc * 16);
+    return block_mins<BITS>(quant_block_at<BITS>(group, kb), cc);
+  }
+  // the group's scales of column blocks [c0, c0 + C) multiplied out into `scratch`
+  static const float* expand(const uint8_t* group, int64_t KB, int c0, int C, std::vector<float>& scratch) {
+    scratch.resize(KB * fields * 64);
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const QuantBlock blk = quant_block_at<BITS>(group, kb);
+      float* at = scratch.data() + kb * fields * 64;
+      for (int cc = c0; cc < c0 + C; ++cc) {
+        for (int h = 0; h < fields - 1; ++h) _mm512_storeu_ps(at + h * 64 + cc * 16, block_scales<BITS>(blk, h, cc));
+        if constexpr (layout.m >= 0) _mm512_storeu_ps(at + (fields - 1) * 64 + cc * 16, block_mins<BITS>(blk, cc));
+      }
+    }
+    return scratch.data();
+  }
+};
+
+// Column block cc's running sums of row m (K blocks before kb) plus K block kb's: the integer dot
+// products `dots` less z sum(xq), times d s (d: the block's scales), added in one fused step (the
+// halves formats: one half's, `half` 0 for K 0-15, then 1 for K 16-31, against that half's d
+// and sum(xq)).
+template <int BITS>
+inline __m512 add_dots(const QuantizedActivations& a, QuantBlock blk, int64_t KB, int64_t kb,
+                       int64_t m, int cc, int half, __m512i dots, __m512 sums, __m512 d) {
   constexpr QuantLayout layout = quant_layout(BITS);
   const int64_t j = m * KB + kb;
   const __m512 s = _mm512_set1_ps(a.s[j]);
   if constexpr (layout.halves) {  // int8 bytes q + 128: less 128 sum(xq) of the half
     const int32_t sum = half == 0 ? a.low[j] : a.sum[j] - a.low[j];
-    const __m512 d = load_scales<true>(rec, layout.d + 256 * half, cc);
     const __m512i fixed = _mm512_sub_epi32(dots, _mm512_set1_epi32(128 * sum));
     return _mm512_fmadd_ps(_mm512_mul_ps(d, s), _mm512_cvtepi32_ps(fixed), sums);
   }
-  const __m512 d = load_scales<layout.f32>(rec, layout.d, cc);
   const __m512i z = !layout.nibbles ? _mm512_set1_epi32(128)
                     : layout.z < 0  ? _mm512_setzero_si512()
-                                    : _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + layout.z + cc * 16)));
+                                    : _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.rec + layout.z + cc * 16)));
   const __m512i fixed = _mm512_sub_epi32(dots, _mm512_mullo_epi32(z, _mm512_set1_epi32(a.sum[j])));
   return _mm512_fmadd_ps(_mm512_mul_ps(d, s), _mm512_cvtepi32_ps(fixed), sums);
 }
 
 // ... then m s sum(xq) in another fused step where the format has m.
 template <int BITS>
-inline __m512 add_mins(const QuantizedActivations& a, const uint8_t* rec, int64_t KB, int64_t kb,
-                       int64_t m, int cc, __m512 sums) {
-  constexpr QuantLayout layout = quant_layout(BITS);
-  if constexpr (layout.m < 0) return sums;
+inline __m512 add_mins(const QuantizedActivations& a, int64_t KB, int64_t kb, int64_t m,
+                       __m512 sums, __m512 mins) {
   const int64_t j = m * KB + kb;
-  const __m512 mins = load_scales<layout.f32>(rec, layout.m, cc);
   return _mm512_fmadd_ps(mins, _mm512_set1_ps(a.s[j] * static_cast<float>(a.sum[j])), sums);  // m s sum(xq)
 }
 
@@ -1057,25 +1115,35 @@ template <int BITS, int C, bool PREFETCH, typename T>
 void quant_group(const QuantizedActivations& a, int64_t M, const uint8_t* W, int64_t KB,
                  const float* bias, T* y, int64_t N, int64_t g, int c0) {
   constexpr QuantLayout layout = quant_layout(BITS);
-  constexpr int64_t record = layout.record;
-  const uint8_t* rec0 = W + g * KB * record;
+  const uint8_t* group = W + g * KB * layout.stride();
+  GroupScales<BITS> scales{group, nullptr};
+  if constexpr (layout.blocks > 1) {
+    static thread_local std::vector<float> scratch;
+    if (M > 2) scales.expanded = GroupScales<BITS>::expand(group, KB, c0, C, scratch);
+  }
   auto tile = [&](auto rows, int64_t m0) {
     constexpr int R = decltype(rows)::value;
     __m512 run[R][C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) run[r][c] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < KB; ++kb) {
-      const uint8_t* rec = rec0 + kb * record;
-      // code 9's halves one after the other (their sums would not fit the registers together)
+      const QuantBlock blk = quant_block_at<BITS>(group, kb);
+      // the halves formats' halves one after the other (their sums would not fit the registers together)
       constexpr int halves = layout.halves ? 2 : 1, quads = (layout.nibbles ? 4 : 8) / halves;
       for (int h = 0; h < halves; ++h) {
         __m512i acc[R][C];
-        block_dots<BITS, R, C, PREFETCH>(a, rec, KB, kb, m0, c0, h * quads, (h + 1) * quads, acc);
+        block_dots<BITS, R, C, PREFETCH>(a, blk, KB, kb, m0, c0, h * quads, (h + 1) * quads, acc);
+        __m512 d[C];
+        for (int c = 0; c < C; ++c) d[c] = scales.d(kb, h, c0 + c);
         for (int r = 0; r < R; ++r)
-          for (int c = 0; c < C; ++c) run[r][c] = add_dots<BITS>(a, rec, KB, kb, m0 + r, c0 + c, h, acc[r][c], run[r][c]);
+          for (int c = 0; c < C; ++c) run[r][c] = add_dots<BITS>(a, blk, KB, kb, m0 + r, c0 + c, h, acc[r][c], run[r][c], d[c]);
       }
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) run[r][c] = add_mins<BITS>(a, rec, KB, kb, m0 + r, c0 + c, run[r][c]);
+      if constexpr (layout.m >= 0) {
+        __m512 mins[C];
+        for (int c = 0; c < C; ++c) mins[c] = scales.m(kb, c0 + c);
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < C; ++c) run[r][c] = add_mins<BITS>(a, KB, kb, m0 + r, run[r][c], mins[c]);
+      }
     }
     for (int r = 0; r < R; ++r) {
       for (int c = c0; c < c0 + C; ++c) {

@@ -26,6 +26,11 @@ kernels do the same in one pass (`unpack_gguf`, 0.1-0.7 ns a weight where this n
 
 Rows of different types in one weight (a fused qkv of a Q4_K_M file: Q4_K q and k, Q6_K v) take
 the format that holds them all: `bits` 9 holds every type above exactly.
+
+With the kernels, the super-block types (the K-quants and IQ4_XS) keep the file's factored
+scales: `bits` 10 for Q4_K (6's values) and 11 for the rest and their mixes (9's), a quarter and
+a fifth fewer bytes, the same values (quant.py). The grid reads each super-block's d and dmin
+for them (`supers`).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize
 
-from thermostat.models.quant import BODY, HEADER, Bits, QuantizedWeight
+from thermostat.models.quant import Bits, QuantizedWeight, block_bytes
 
 if TYPE_CHECKING:
     from thermostat.kernels import LinearOps
@@ -66,6 +71,9 @@ NARROW: dict[frozenset[str], Bits] = {
     frozenset({"Q4_1"}): 5,
     frozenset({"Q4_K"}): 6,
 }
+# the types of 256-weight super-blocks, whose d (and dmin) factor every block's scale: rows all of
+# them take a super-block format with the kernels (10 for Q4_K alone, else 11)
+SUPER_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_XS"})
 # IQ4's 16 levels (ggml's kvalues_iq4nl): q is the level its 4-bit index names
 IQ4_LEVELS = np.array(
     (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), dtype=np.int8
@@ -102,6 +110,7 @@ class BlockGrid:
     q: torch.Tensor  # [N, K] int8 (every served type's integers fit: Q8_0's widest)
     d: torch.Tensor  # [N, K / 16] float32
     m: torch.Tensor  # [N, K / 32] float32
+    supers: torch.Tensor | None = None  # [N, K / 256, 2] float32: d, dmin (SUPER_TYPES)
 
     @classmethod
     def read(cls, data: np.ndarray, qtype: str, ops: LinearOps | None = None) -> BlockGrid:
@@ -112,14 +121,20 @@ class BlockGrid:
         block, size = GGML_QUANT_SIZES[gtype]
         rows = data.shape[0]
         blocks = np.ascontiguousarray(data).reshape(-1, size)  # [N * blocks per row, size]
+        d_at, m_at, scales_at = FIELDS[qtype]
+        assert d_at is not None
+        supers = None
+        if qtype in SUPER_TYPES:
+            no_dmin = np.zeros((len(blocks), 1), np.float32)
+            dmin = _half(blocks, m_at) if m_at is not None else no_dmin
+            supers = torch.from_numpy(np.concatenate([_half(blocks, d_at), dmin], axis=1))
+            supers = supers.view(rows, -1, 2)
         if ops is not None:
             with warnings.catch_warnings():  # the file's read-only map: the kernel only reads it
                 warnings.filterwarnings("ignore", "The given NumPy array is not writable")
                 stored = torch.from_numpy(blocks)
-            parts = ops.unpack_gguf(stored, gtype.value)
-            return cls(frozenset({qtype}), *(t.view(rows, -1) for t in parts))
-        d_at, m_at, scales_at = FIELDS[qtype]
-        assert d_at is not None
+            parts = [t.view(rows, -1) for t in ops.unpack_gguf(stored, gtype.value)]
+            return cls(frozenset({qtype}), parts[0], parts[1], parts[2], supers)
         q = integers(blocks, qtype).reshape(rows, -1)
         d = _half(blocks, d_at)  # [blocks, 1]
         m = _half(blocks, m_at) if m_at is not None else np.full_like(d, -0.0)
@@ -139,21 +154,25 @@ class BlockGrid:
             torch.from_numpy(q),
             torch.from_numpy(np.repeat(d, per_d, axis=1).reshape(rows, -1)),
             torch.from_numpy(np.repeat(m, block // 32 // m.shape[1], axis=1).reshape(rows, -1)),
+            supers,
         )
 
     @classmethod
     def cat(cls, parts: list[BlockGrid]) -> BlockGrid:
         """Row blocks of one weight (a fused projection's parts), in order."""
+        supers = [p.supers for p in parts if p.supers is not None]
         return cls(
             frozenset().union(*(p.qtypes for p in parts)),
             torch.cat([p.q for p in parts]),
             torch.cat([p.d for p in parts]),
             torch.cat([p.m for p in parts]),
+            torch.cat(supers) if len(supers) == len(parts) else None,
         )
 
     def rows(self, order: torch.Tensor) -> BlockGrid:
         """The grid with its rows reordered (llama.cpp's q / k permutation undone)."""
-        return BlockGrid(self.qtypes, self.q[order], self.d[order], self.m[order])
+        supers = None if self.supers is None else self.supers[order]
+        return BlockGrid(self.qtypes, self.q[order], self.d[order], self.m[order], supers)
 
     def dequantize(self) -> torch.Tensor:
         """The weight in float32, d q + m: the values gguf's `dequantize` gives (a product and a
@@ -169,10 +188,10 @@ class BlockGrid:
         last fills whole groups of 64 rows."""
         if ops is None or len(parts) == 1 or any(len(p.q) % 64 for p in parts[:-1]):
             return cls.cat(parts).packed(ops)
-        bits = record_format(frozenset().union(*(p.qtypes for p in parts)))
+        bits = record_format(frozenset().union(*(p.qtypes for p in parts)), compact=True)
         n, k = sum(len(p.q) for p in parts), parts[0].q.shape[1]
         groups, kb = (n + 63) // 64, (k + 31) // 32
-        records = torch.empty(groups, kb, HEADER[bits] + BODY[bits], dtype=torch.uint8)
+        records = torch.empty(groups, kb, block_bytes(bits), dtype=torch.uint8)
         first = 0
         for part in parts:
             last = first + (len(part.q) + 63) // 64
@@ -189,7 +208,7 @@ class BlockGrid:
         """The kernels' records in `bits` (default: the narrowest format holding every row
         exactly, `record_format`); `ops`: the kernels, which pack them in one pass, into `out`
         where it is given (`joined`)."""
-        bits = bits or record_format(self.qtypes)
+        bits = bits or record_format(self.qtypes, compact=ops is not None)
         per_32 = self.d[:, 0::2]  # the one d of a block (all but Q6_K's, Q3_K's, ...)
         if bits == 8:
             return QuantizedWeight.pack(self.q, per_32.half(), ops=ops, out=out)
@@ -201,15 +220,19 @@ class BlockGrid:
             z = torch.zeros_like(per_32, dtype=torch.int8)
             q, d, m = self.q.view(torch.uint8), per_32.half(), self.m.half()
             return QuantizedWeight.pack(q, d, z, m, ops=ops, out=out)
-        if bits == 6:
+        supers = self.supers if bits in (10, 11) else None
+        if bits in (6, 10):
             q4 = self.q.view(torch.uint8)  # 0..15 either way
             d = per_32.contiguous()
-            return QuantizedWeight.pack(q4, d, m=self.m, bits=6, ops=ops, out=out)
-        return QuantizedWeight.pack(self.q, self.d, m=self.m, bits=9, ops=ops, out=out)
+            return QuantizedWeight.pack(q4, d, None, self.m, bits, ops, out, supers)
+        return QuantizedWeight.pack(self.q, self.d, None, self.m, bits, ops, out, supers)
 
 
-def record_format(qtypes: frozenset[str]) -> Bits:
-    """The narrowest record format holding rows of all these types exactly (the table)."""
+def record_format(qtypes: frozenset[str], compact: bool = False) -> Bits:
+    """The narrowest record format holding rows of all these types exactly (the table); with
+    `compact` (the kernels pack it), a super-block format for SUPER_TYPES rows."""
+    if compact and qtypes <= SUPER_TYPES:
+        return 10 if qtypes == {"Q4_K"} else 11
     return 8 if qtypes <= FLOAT16_INT8 else NARROW.get(qtypes, 9)
 
 

@@ -8,12 +8,23 @@
 |        | q in [0, 15], d, m float32: w = d q + m (`bits` 6) | 24 / 32 = 0.75 | q4_K           |
 | int8   | q int8, a float32 d per 16 and m float32 per 32:   | 44 / 32 = 1.38 | q5_1, q5_K,    |
 |        | w = d q + m (`bits` 9)                             |                | q6_K           |
+| int4   | `bits` 6's values in a K-quant's super-blocks      | 37 / 64 = 0.58 | q4_K           |
+|        | (`bits` 10)                                        |                |                |
+| int8   | `bits` 9's values in super-blocks (`bits` 11)      | 71 / 64 = 1.11 | q5_K, q6_K,    |
+|        |                                                    |                | q3_K, iq4_xs   |
 
 `bits` 6 and 9 hold a GGUF K-quant's blocks as the file has them (gguf_blocks.py): a K-quant's
 block scale, its float16 super-block scale times a 6-bit (Q6_K: 8-bit) one, needs more bits than
 float16 has, and float32 holds it exactly, as it does the minimum (dmin times a 6-bit m); Q6_K's
 sub-blocks of 16 take `bits` 9's two scales per block (its m, -0.0, adds nothing: w = d q to the
 bit, sign of zero included). Nothing here quantizes a float weight to them.
+
+`bits` 10 and 11 hold the same values as 6 and 9 in the file's own factored form, a record per
+8 blocks (a K-quant's super-block of 256 along K): the super-block's float16 d and dmin, and per
+block an int8 scale (two for 11) and minimum, d = d_super sc and m = -(dmin mn), products the
+kernels form exactly (so the same bits as 6 and 9), in a quarter less memory for 6's values and a
+fifth less for 9's. The kernels pack them (`pack_records`, from 6's or 9's d and m and the
+super-blocks' scales); `classic` turns them back into 6 or 9 in tensor code.
 
 int4 takes its minimum form for a weight whose blocks lie on it (`on_minimum_grid`): a block
 of a Q4_1 file (w = d q + m, m no multiple of d) comes back exactly, m its least value and d its
@@ -54,10 +65,12 @@ from thermostat.models.grids import (
 if TYPE_CHECKING:
     from thermostat.kernels import LinearOps
 
-Bits = Literal[8, 4, 5, 6, 9]  # the table above; the kernels' layout codes (common.h)
+Bits = Literal[8, 4, 5, 6, 9, 10, 11]  # the table above; the kernels' layout codes (common.h)
 FORMATS: dict[str, Bits] = {"int8": 8, "int4": 4}
-NIBBLES = (4, 5, 6)  # the 4-bit formats (the others' body is int8)
-FLOAT32_SCALES = (6, 9)
+NIBBLES = (4, 5, 6, 10)  # the 4-bit formats (the others' body is int8)
+FLOAT32_SCALES = (6, 9, 10, 11)  # d and m given in float32
+SUPER: dict[Bits, Bits] = {10: 6, 11: 9}  # the super-block formats -> the format of their values
+SUPER_BLOCKS = 8  # K blocks a super-block format's record holds
 
 
 # bytes of a record's scales: d (64 float16, or float32 for 6 and 9; two per output for 9),
@@ -65,6 +78,16 @@ FLOAT32_SCALES = (6, 9)
 HEADER = {8: 128, 4: 192, 5: 320, 6: 512, 9: 768}
 BODY = {8: 2048, 4: 1024, 5: 1024, 6: 1024, 9: 2048}  # bytes of one K block of 64 outputs' weights
 MINIMUM_AT = {5: 192, 6: 256, 9: 512}  # where m starts in the header
+# a super-block format's record of 8 K blocks: d, dmin (64 float16 each), sc int8 [8][(2)][64],
+# mn int8 [8][64], then the 8 blocks' bodies
+SUPER_HEADER = {10: 1280, 11: 1792}
+
+
+def block_bytes(bits: Bits) -> int:
+    """Bytes of a format's records per K block of 64 outputs (a super-block format's record / 8)."""
+    if bits in SUPER:
+        return (SUPER_HEADER[bits] + SUPER_BLOCKS * BODY[SUPER[bits]]) // SUPER_BLOCKS
+    return HEADER[bits] + BODY[bits]
 
 
 @dataclass
@@ -77,7 +100,7 @@ class QuantizedWeight:
     bits: Bits
     out_features: int
     in_features: int
-    packed: torch.Tensor  # uint8 [N / 64, K / 32, HEADER + BODY]
+    packed: torch.Tensor  # uint8 [N / 64, K / 32, block_bytes]
 
     @classmethod
     def pack(
@@ -89,17 +112,20 @@ class QuantizedWeight:
         bits: Bits | None = None,
         ops: LinearOps | None = None,
         out: torch.Tensor | None = None,
+        supers: torch.Tensor | None = None,
     ) -> QuantizedWeight:
         """q [N, K] (int8 in [-128, 127] with z None; uint8 in [0, 15] with z), d [N, ceil(K /
         32)] float16, z the same shape int8, m (with z) float16 -> the kernel's layout. `bits` 6
         (q uint8 in [0, 15]) or 9 (q int8, d [N, 2 ceil(K / 32)]: a scale per 16) with d and m
-        float32 and no z. `ops`: the kernels, which pack them in one pass (`pack_records`: the
-        same bytes), into `out` where it is given (a fused weight's records of this part)."""
+        float32 and no z; 10 and 11 the same as 6 and 9 and `supers` [N, K / 256, 2] float32,
+        each super-block's d and dmin (only the kernels pack these). `ops`: the kernels, which
+        pack them in one pass (`pack_records`: the same bytes), into `out` where it is given (a
+        fused weight's records of this part)."""
         if bits is None:
             bits = 8 if z is None else (4 if m is None else 5)
         n, k = q.shape
         kb = (k + BLOCK - 1) // BLOCK
-        scales = 2 * kb if bits == 9 else kb
+        scales = 2 * kb if bits in (9, 11) else kb
         if d.shape != (n, scales) or (z is not None and z.shape != (n, kb)):
             raise ValueError(f"scales must be [{n}, {scales}] for a [{n}, {k}] weight")
         if bits in FLOAT32_SCALES and (z is not None or m is None or m.shape != (n, kb)):
@@ -113,10 +139,12 @@ class QuantizedWeight:
         ):
             minimum = None if m is None else m.to(scale_dtype).contiguous()
             zeros = None if z is None else z.contiguous()
-            records = ops.pack_records(q.contiguous(), d.contiguous(), zeros, minimum, bits, out)
+            given = None if supers is None else supers.float().contiguous()
+            q, d = q.contiguous(), d.contiguous()
+            records = ops.pack_records(q, d, zeros, minimum, bits, out, given)
             return cls(bits, n, k, records)
-        if out is not None:
-            raise ValueError("packing into given records needs the kernels and their dtypes")
+        if out is not None or bits in SUPER:
+            raise ValueError("packing into given records or super-blocks needs the kernels")
         groups = (n + 63) // 64
         full = torch.zeros(groups * 64, kb * BLOCK, dtype=torch.uint8)
         if bits not in NIBBLES:
@@ -143,9 +171,35 @@ class QuantizedWeight:
         parts.append(body.reshape(groups, kb, -1))
         return cls(bits, n, k, torch.cat(parts, dim=-1).contiguous())
 
+    def classic(self) -> QuantizedWeight:
+        """A super-block format's weight in the format of its values (10 -> 6, 11 -> 9): the
+        same values, exactly (the products d_super sc and -(dmin mn) are exact in float32);
+        any other weight as it is."""
+        if self.bits not in SUPER:
+            return self
+        groups, kb, _ = self.packed.shape
+        classic, header = SUPER[self.bits], SUPER_HEADER[self.bits]
+        halves = 2 if classic == 9 else 1
+        records = self.packed.view(groups, kb // SUPER_BLOCKS, -1)
+        d_super = records[..., :128].contiguous().view(torch.float16).float()  # [G, S, 64]
+        dmin = records[..., 128:256].contiguous().view(torch.float16).float()
+        sc = records[..., 256 : 256 + 512 * halves].contiguous().view(torch.int8).float()
+        mn = records[..., 256 + 512 * halves : header].contiguous().view(torch.int8).float()
+        d = d_super[:, :, None, None] * sc.view(groups, -1, SUPER_BLOCKS, halves, 64)
+        m = -(dmin[:, :, None] * mn.view(groups, -1, SUPER_BLOCKS, 64))
+        body = records[..., header:].reshape(groups, kb, BODY[classic])
+        parts = [
+            d.reshape(groups, kb, halves * 64).contiguous().view(torch.uint8),
+            m.reshape(groups, kb, 64).contiguous().view(torch.uint8),
+            body,
+        ]
+        return QuantizedWeight(classic, self.out_features, self.in_features, torch.cat(parts, -1))
+
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The inverse of `pack`: (q, d, z) with q [N, K / 32 * 32] (K's padding kept); d [N,
         K / 32] (bits 9: [N, K / 16], a scale per 16 along K)."""
+        if self.bits in SUPER:
+            return self.classic().unpack()
         groups, kb, _ = self.packed.shape
         n, header = self.out_features, HEADER[self.bits]
         body = self.packed[..., header:]
@@ -174,6 +228,8 @@ class QuantizedWeight:
 
     def minimums(self) -> torch.Tensor | None:
         """m [N, K / 32] of the minimum forms (bits 5: float16; 6 and 9: float32), else None."""
+        if self.bits in SUPER:
+            return self.classic().minimums()
         if self.bits not in MINIMUM_AT:
             return None
         at = MINIMUM_AT[self.bits]
@@ -200,6 +256,8 @@ class QuantizedWeight:
         """Rows `ids` (any shape) of the weight, dequantized: [*ids.shape, K] in `dtype` (an
         embedding lookup): fma(q - z, d, m) per weight, as the kernels' quant_rows. Gathers only
         the rows' own bytes: their scales and the weights of each of their K blocks."""
+        if self.bits in SUPER:
+            return self.classic().rows(ids, dtype)
         groups, kb, record = self.packed.shape
         header, quads = HEADER[self.bits], 4 if self.bits in NIBBLES else 8
         flat = ids.reshape(-1)
