@@ -167,10 +167,14 @@ struct QuantBlock {
   int j;
 };
 
+inline QuantBlock block_at(const QuantLayout& L, const uint8_t* group, int64_t kb) {
+  return {group + kb / L.blocks * L.record, static_cast<int>(kb % L.blocks)};
+}
+
 template <int BITS>
 inline QuantBlock quant_block_at(const uint8_t* group, int64_t kb) {
   constexpr QuantLayout layout = quant_layout(BITS);
-  return {group + kb / layout.blocks * layout.record, static_cast<int>(kb % layout.blocks)};
+  return block_at(layout, group, kb);
 }
 
 // Output `lane`'s d (K half `half` of the halves formats) and m (0 where the format has none) of
@@ -261,8 +265,7 @@ torch::Tensor quant_rows(torch::Tensor packed, torch::Tensor ids, int64_t n, int
     for (int64_t t = 0; t < T; ++t) {
       const int64_t g = ip[t] / 64, lane = ip[t] % 64, c = lane / 16, j = lane % 16;
       for (int64_t kb = 0; kb < KB; ++kb) {
-        const QuantBlock b = {wp + g * KB * layout.stride() + kb / layout.blocks * layout.record,
-                              static_cast<int>(kb % layout.blocks)};
+        const QuantBlock b = block_at(layout, wp + g * KB * layout.stride(), kb);
         const uint8_t* body = b.rec + layout.header + b.j * layout.body();
         const float z = layout.nibbles ? (layout.z < 0 ? 0.0f : static_cast<float>(static_cast<int8_t>(b.rec[layout.z + lane])))
                                        : 128.0f;

@@ -44,7 +44,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize
 
-from thermostat.models.quant import Bits, QuantizedWeight, block_bytes
+from thermostat.models.quant import SUPER, Bits, QuantizedWeight, block_bytes
 
 if TYPE_CHECKING:
     from thermostat.kernels import LinearOps
@@ -188,7 +188,8 @@ class BlockGrid:
         last fills whole groups of 64 rows."""
         if ops is None or len(parts) == 1 or any(len(p.q) % 64 for p in parts[:-1]):
             return cls.cat(parts).packed(ops)
-        bits = record_format(frozenset().union(*(p.qtypes for p in parts)), compact=True)
+        compact = all(p.supers is not None for p in parts)
+        bits = record_format(frozenset().union(*(p.qtypes for p in parts)), compact)
         n, k = sum(len(p.q) for p in parts), parts[0].q.shape[1]
         groups, kb = (n + 63) // 64, (k + 31) // 32
         records = torch.empty(groups, kb, block_bytes(bits), dtype=torch.uint8)
@@ -208,7 +209,7 @@ class BlockGrid:
         """The kernels' records in `bits` (default: the narrowest format holding every row
         exactly, `record_format`); `ops`: the kernels, which pack them in one pass, into `out`
         where it is given (`joined`)."""
-        bits = bits or record_format(self.qtypes, compact=ops is not None)
+        bits = bits or record_format(self.qtypes, ops is not None and self.supers is not None)
         per_32 = self.d[:, 0::2]  # the one d of a block (all but Q6_K's, Q3_K's, ...)
         if bits == 8:
             return QuantizedWeight.pack(self.q, per_32.half(), ops=ops, out=out)
@@ -220,7 +221,7 @@ class BlockGrid:
             z = torch.zeros_like(per_32, dtype=torch.int8)
             q, d, m = self.q.view(torch.uint8), per_32.half(), self.m.half()
             return QuantizedWeight.pack(q, d, z, m, ops=ops, out=out)
-        supers = self.supers if bits in (10, 11) else None
+        supers = self.supers if bits in SUPER else None
         if bits in (6, 10):
             q4 = self.q.view(torch.uint8)  # 0..15 either way
             d = per_32.contiguous()
@@ -230,7 +231,8 @@ class BlockGrid:
 
 def record_format(qtypes: frozenset[str], compact: bool = False) -> Bits:
     """The narrowest record format holding rows of all these types exactly (the table); with
-    `compact` (the kernels pack it), a super-block format for SUPER_TYPES rows."""
+    `compact` (the kernels pack it, the rows' super-block scales at hand), a super-block format
+    for SUPER_TYPES rows."""
     if compact and qtypes <= SUPER_TYPES:
         return 10 if qtypes == {"Q4_K"} else 11
     return 8 if qtypes <= FLOAT16_INT8 else NARROW.get(qtypes, 9)
