@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from thermostat import kernels
 from thermostat.kernels.build import AVX2, FULL
 from thermostat.models.grids import quantize_int4_min
-from thermostat.models.quant import QuantizedWeight, quantize, reference_linear
+from thermostat.models.quant import IQ4_LEVELS, QuantizedWeight, quantize, reference_linear
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -143,7 +143,7 @@ def test_linear_quant_refuses_bad_input(ops):
         ops.linear_quant(torch.randn(1, 64), replace(q4, bits=6), None)
     with pytest.raises(ValueError, match="packed int10"):
         ops.linear_quant(torch.randn(1, 64), replace(q4, bits=10), None)
-    with pytest.raises(ValueError, match="bits must be 8, 4, 5, 6, 9, 10 or 11"):
+    with pytest.raises(ValueError, match="bits must be 8, 4, 5, 6, 9, 10, 11 or 12"):
         ops.linear_quant(torch.randn(1, 64), replace(q4, bits=7), None)
 
 
@@ -213,10 +213,13 @@ def test_records_packed_in_one_pass_are_the_tensor_codes(ops, bits, n, k):
     assert torch.equal(one_pass.packed, tensor_code.packed)
 
 
-def super_blocks(n: int, k: int, bits: int, seed: int) -> tuple[torch.Tensor, ...]:
+def super_blocks(
+    n: int, k: int, bits: int, seed: int, levels: bool = False
+) -> tuple[torch.Tensor, ...]:
     """A K-quant's values in `bits` 6's or 9's form (q; d per 32, or per 16 for 9; m per 32) and
     their super-blocks' (d, dmin) [n, k / 256, 2]: d = d_super sc, m = -(dmin mn), sc 6-bit (9:
-    any int8, as Q6_K's), mn 6-bit, some of each super-block's d and dmin 0 (-0.0 scales)."""
+    any int8, as Q6_K's), mn 6-bit, some of each super-block's d and dmin 0 (-0.0 scales).
+    `levels`: IQ4_XS's (9's form): q IQ4's levels, m -0.0."""
     g = torch.Generator().manual_seed(seed)
     kb, per = k // 32, 2 if bits == 9 else 1
     supers = (torch.rand(n, k // 256, 2, generator=g) * 0.01).half().float()
@@ -226,26 +229,32 @@ def super_blocks(n: int, k: int, bits: int, seed: int) -> tuple[torch.Tensor, ..
     mn = torch.randint(0, 64, (n, kb), generator=g).float()
     d = supers[..., 0].repeat_interleave(8 * per, dim=1) * sc
     m = -(supers[..., 1].repeat_interleave(8, dim=1) * mn)
-    if bits == 9:
+    if levels:
+        q = torch.tensor(IQ4_LEVELS, dtype=torch.int8)[torch.randint(0, 16, (n, k), generator=g)]
+        supers[..., 1], m = 0.0, torch.full_like(m, -0.0)
+    elif bits == 9:
         q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     else:
         q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     return q, d, m, supers
 
 
-@pytest.mark.parametrize("bits", [10, 11])
+@pytest.mark.parametrize("bits", [10, 11, 12])
 @pytest.mark.parametrize("n,k", [(64, 256), (130, 768)])
 def test_super_block_records_hold_the_same_weight_in_less_memory(ops, bits, n, k):
-    """`bits` 10 and 11 (a K-quant's super-blocks: d and dmin once per 256, int8 scales per
-    block) hold 6's and 9's values exactly: `classic` gives their records back, the kernels'
-    products and rows are the same bits at any row count and in every dtype, in 23% / 19% fewer
-    bytes. Scales that are not the super-block's times an integer, super-block scales that are
-    not float16 values and a K that is not whole super-blocks are refused."""
+    """`bits` 10, 11 and 12 (a K-quant's super-blocks: d and dmin once per 256, int8 scales per
+    block; 12: IQ4_XS's, its levels as 4-bit indices) hold 6's and 9's values exactly:
+    `classic` gives their records back, the kernels' products and rows are the same bits at any
+    row count and in every dtype, in 23% / 19% / 59% fewer bytes. Scales that are not the
+    super-block's times an integer, super-block scales that are not float16 values, a K that is
+    not whole super-blocks and (12) a q that is not one of IQ4's levels are refused."""
     classic_bits = 6 if bits == 10 else 9
-    q, d, m, supers = super_blocks(n, k, classic_bits, seed=n + bits)
+    q, d, m, supers = super_blocks(n, k, classic_bits, seed=n + bits, levels=bits == 12)
     classic = QuantizedWeight.pack(q, d, m=m, bits=classic_bits)
+    m = None if bits == 12 else m  # (its m: -0.0, adds nothing)
     compact = QuantizedWeight.pack(q, d, m=m, bits=bits, ops=ops, supers=supers)
-    assert compact.packed.nbytes < classic.packed.nbytes * (0.78 if bits == 10 else 0.81)
+    less = {10: 0.78, 11: 0.81, 12: 0.42}[bits]
+    assert compact.packed.nbytes < classic.packed.nbytes * less
     padding = slice(None, n)  # (padded rows' m: -0.0 in one, 0.0 in the other)
     back = compact.classic()
     assert back.bits == classic_bits
@@ -270,10 +279,15 @@ def test_super_block_records_hold_the_same_weight_in_less_memory(ops, bits, n, k
         QuantizedWeight.pack(q, d, m=m, bits=bits, ops=ops, supers=supers + 1e-6)
     with pytest.raises(ValueError, match="multiple of 256"):
         per = d.shape[1] // (k // 32)  # d per block
-        short = q[:, :-32], d[:, :-per], None, m[:, :-1]
+        short = q[:, :-32], d[:, :-per], None, None if m is None else m[:, :-1]
         QuantizedWeight.pack(*short, bits=bits, ops=ops, supers=supers)
     with pytest.raises(ValueError, match="needs the kernels"):
         QuantizedWeight.pack(q, d, m=m, bits=bits, supers=supers)
+    if bits == 12:
+        odd = q.clone()
+        odd[2, 5] = 0  # no level
+        with pytest.raises(ValueError, match="not one of IQ4's levels"):
+            QuantizedWeight.pack(odd, d, bits=bits, ops=ops, supers=supers)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

@@ -519,6 +519,18 @@ inline void add_half(const QuantizedActivations& a, const BlockScales<BITS>& sca
   _mm256_storeu_ps(at, added);
 }
 
+// IQ4's 16 levels as signed bytes, in each 128-bit lane (vpshufb looks up within lanes)
+inline __m256i iq4_levels() {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Levels)));
+}
+
+// The integer sums of signed weight bytes w and activation bytes x, 4 to an int32, as the int8
+// path forms them: |w| times x with w's sign (pairs fit int16: 2 x 128 x 127).
+inline __m256i signed_dots(__m256i w, __m256i x) {
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
 // Rows [m0, m0 + R) x column block c (16 outputs) of one record (K block kb), a half (8 outputs)
 // at a time: the rows' integer sums stay in registers (both halves of 4 rows spilled), then are
 // added into the rows' running float sums. The integer sums are exact: any R, the same bits.
@@ -533,7 +545,15 @@ inline void quant_block(const QuantizedActivations& a, const BlockScales<BITS>& 
     for (int r = 0; r < R; ++r) acc[r] = up[r] = _mm256_setzero_si256();
     for (int kq = 0; kq < (layout.nibbles ? 4 : 8); ++kq) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + (kq * 4 + c) * 64 + 32 * h));
-      if (!layout.nibbles) {
+      if constexpr (layout.levels) {  // low nibbles K 0-15 into acc, high ones K 16-31 into up
+        const __m256i low4 = _mm256_set1_epi8(0x0F);
+        const __m256i lo = _mm256_shuffle_epi8(iq4_levels(), _mm256_and_si256(raw, low4));
+        const __m256i hi = _mm256_shuffle_epi8(iq4_levels(), _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
+        for (int r = 0; r < R; ++r) {
+          acc[r] = _mm256_add_epi32(acc[r], signed_dots(lo, _mm256_set1_epi32(xt[kq * R + r])));
+          up[r] = _mm256_add_epi32(up[r], signed_dots(hi, _mm256_set1_epi32(xt[(4 + kq) * R + r])));
+        }
+      } else if (!layout.nibbles) {
         const __m256i w = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80)));
         const __m256i w_abs = _mm256_sign_epi8(w, w);
         __m256i (&into)[R] = layout.halves && kq >= 4 ? up : acc;
@@ -577,6 +597,14 @@ inline void quant_row(const QuantizedActivations& a, const BlockScales<BITS>& sc
       const uint8_t* p = body + (kq * 4 + c0 + c) * 64;
       for (int h = 0; h < 2; ++h) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+        if constexpr (layout.levels) {  // low nibbles K 0-15 into acc, high ones K 16-31 into up
+          const __m256i low4 = _mm256_set1_epi8(0x0F);
+          const __m256i lo = _mm256_shuffle_epi8(iq4_levels(), _mm256_and_si256(raw, low4));
+          const __m256i hi = _mm256_shuffle_epi8(iq4_levels(), _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4));
+          acc[c][h] = _mm256_add_epi32(acc[c][h], signed_dots(lo, xb));
+          up[c][h] = _mm256_add_epi32(up[c][h], signed_dots(hi, xh));
+          continue;
+        }
         __m256i pairs;
         if (!layout.nibbles) {
           const __m256i w = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80)));
@@ -618,7 +646,7 @@ void quant_group(const QuantizedActivations& a, int64_t M, const uint8_t* W, int
       constexpr int fields = BlockScales<BITS>::fields;
       for (int lane = c0 * 16; lane < (c0 + C) * 16; lane += 8) {
         for (int h = 0; h < fields - 1; ++h) _mm256_storeu_ps(expanded + h * 64 + lane, scales.d(h, lane));
-        _mm256_storeu_ps(expanded + (fields - 1) * 64 + lane, scales.m(lane));
+        if constexpr (layout.m >= 0) _mm256_storeu_ps(expanded + (fields - 1) * 64 + lane, scales.m(lane));
       }
       scales.expanded = expanded;
     }

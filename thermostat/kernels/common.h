@@ -130,6 +130,10 @@ void check_vnni_packed(const torch::Tensor& packed) {
                     "linear_vnni: weight must come from pack_vnni");
 }
 
+// IQ4_NL's and IQ4_XS's 16 levels (ggml's kvalues_iq4nl), named by a 4-bit index
+constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                   1,    13,   25,  38,  53,  69,  89,  113};
+
 struct QuantLayout {
   int64_t header, record;  // bytes of a record's scales (d, z, m) and of a whole record
   bool nibbles;            // 4-bit body (else int8, stored q + 128)
@@ -139,6 +143,7 @@ struct QuantLayout {
   int64_t blocks = 1;      // K blocks a record holds: 8 for the super-block formats (10, 11)
   int64_t sc = -1, mn = -1;  // those formats' int8 scales [block][(half)][64] and minimums
                              // [block][64]; d and m are then the super-block's d and dmin
+  bool levels = false;       // 4-bit indices of IQ4's 16 int8 levels (kIq4Levels), run as int8
   constexpr int64_t body() const { return nibbles ? 1024 : 2048; }  // one K block's weights
   constexpr int64_t stride() const { return record / blocks; }      // bytes per K block
 };
@@ -152,12 +157,13 @@ constexpr QuantLayout quant_layout(int bits) {
     case 6: return {512, 512 + 1024, true, 0, -1, 256, true, false};
     case 10: return {1280, 1280 + 8 * 1024, true, 0, -1, 128, false, false, 8, 256, 768};
     case 11: return {1792, 1792 + 8 * 2048, false, 0, -1, 128, false, true, 8, 256, 1280};
+    case 12: return {1152, 1152 + 8 * 1024, true, 0, -1, -1, false, true, 8, 128, -1, true};
     default: return {768, 768 + 2048, false, 0, -1, 512, true, true};  // 9
   }
 }
 
 constexpr bool valid_bits(int64_t bits) {
-  return bits == 8 || bits == 4 || bits == 5 || bits == 6 || bits == 9 || bits == 10 || bits == 11;
+  return bits == 8 || bits == 4 || bits == 5 || bits == 6 || bits == 9 || (bits >= 10 && bits <= 12);
 }
 
 // K block kb of a group's records (`group`: its first byte): the record holding it and the
@@ -211,6 +217,7 @@ void with_quant_format(int64_t bits, const F& f) {
     case 6: f(std::integral_constant<int, 6>()); break;
     case 10: f(std::integral_constant<int, 10>()); break;
     case 11: f(std::integral_constant<int, 11>()); break;
+    case 12: f(std::integral_constant<int, 12>()); break;
     default: f(std::integral_constant<int, 9>()); break;
   }
 }
@@ -230,7 +237,7 @@ struct QuantizedActivations {
 };
 
 void check_quant_packed(const torch::Tensor& packed, int64_t bits) {
-  TORCH_CHECK_VALUE(valid_bits(bits), "linear_quant: bits must be 8, 4, 5, 6, 9, 10 or 11");
+  TORCH_CHECK_VALUE(valid_bits(bits), "linear_quant: bits must be 8, 4, 5, 6, 9, 10, 11 or 12");
   TORCH_CHECK_VALUE(packed.dim() == 3 && packed.is_contiguous() &&
                         packed.scalar_type() == at::kByte &&
                         packed.size(2) == quant_layout(static_cast<int>(bits)).stride() &&
@@ -242,7 +249,7 @@ void check_quant_packed(const torch::Tensor& packed, int64_t bits) {
 // lookup): w = float(q - z) * float(d) (+ m), rounded once, as QuantizedWeight.rows computes it.
 torch::Tensor quant_rows(torch::Tensor packed, torch::Tensor ids, int64_t n, int64_t k,
                          int64_t bits, at::ScalarType dtype) {
-  TORCH_CHECK_VALUE(valid_bits(bits), "quant_rows: bits must be 8, 4, 5, 6, 9, 10 or 11");
+  TORCH_CHECK_VALUE(valid_bits(bits), "quant_rows: bits must be 8, 4, 5, 6, 9, 10, 11 or 12");
   const QuantLayout layout = quant_layout(static_cast<int>(bits));
   TORCH_CHECK_VALUE(packed.dim() == 3 && packed.is_contiguous() &&
                         packed.scalar_type() == at::kByte && packed.size(2) == layout.stride() &&
@@ -267,14 +274,16 @@ torch::Tensor quant_rows(torch::Tensor packed, torch::Tensor ids, int64_t n, int
       for (int64_t kb = 0; kb < KB; ++kb) {
         const QuantBlock b = block_at(layout, wp + g * KB * layout.stride(), kb);
         const uint8_t* body = b.rec + layout.header + b.j * layout.body();
-        const float z = layout.nibbles ? (layout.z < 0 ? 0.0f : static_cast<float>(static_cast<int8_t>(b.rec[layout.z + lane])))
-                                       : 128.0f;
+        const float z = layout.nibbles && !layout.levels
+                            ? (layout.z < 0 ? 0.0f : static_cast<float>(static_cast<int8_t>(b.rec[layout.z + lane])))
+                            : 128.0f;
         const float m = block_m(layout, b, lane);
         for (int64_t i = 0; i < 32 && kb * 32 + i < k; ++i) {
           const float d = block_d(layout, b, i >= 16 ? 1 : 0, lane);
           const int64_t kq = layout.nibbles ? (i % 16) / 4 : i / 4, part = i % 4;
           const uint8_t byte = body[((kq * 4 + c) * 16 + j) * 4 + part];
-          const int q = layout.nibbles ? (i < 16 ? byte & 15 : byte >> 4) : byte;
+          int q = layout.nibbles ? (i < 16 ? byte & 15 : byte >> 4) : byte;
+          if (layout.levels) q = kIq4Levels[q] + 128;
           op[t * k + kb * 32 + i] = static_cast<scalar_t>(std::fma(static_cast<float>(q) - z, d, m));
         }
       }
@@ -458,6 +467,15 @@ torch::Tensor quantize_int4(torch::Tensor w) {
   });
 }
 
+// The 4-bit index of IQ4 level v (kIq4Levels)
+inline uint8_t level_index(int8_t v) {
+  for (uint8_t i = 0; i < 16; ++i) {
+    if (kIq4Levels[i] == v) return i;
+  }
+  TORCH_CHECK_VALUE(false, "pack_records: ", static_cast<int>(v), " is not one of IQ4's levels");
+  return 0;
+}
+
 // The integer j with d == scale j to the bit (scale j negated: `negated`), j in [-128, 127]
 // (Q6_K's scales take all of int8), for a super-block format's scales (scale 0: d must be 0 j,
 // the sign of zero included).
@@ -482,12 +500,12 @@ inline int8_t integer_scale(float d, float scale, bool negated) {
 // weight's groups of one part) where it is given, else a new tensor.
 torch::Tensor pack_records(torch::Tensor q, torch::Tensor d, torch::Tensor z, torch::Tensor m,
                            torch::Tensor supers, int64_t bits, torch::Tensor out) {
-  TORCH_CHECK_VALUE(valid_bits(bits), "pack_records: bits must be 8, 4, 5, 6, 9, 10 or 11");
+  TORCH_CHECK_VALUE(valid_bits(bits), "pack_records: bits must be 8, 4, 5, 6, 9, 10, 11 or 12");
   const QuantLayout layout = quant_layout(static_cast<int>(bits));
   const bool wide = !layout.nibbles, f32 = layout.f32 || layout.blocks > 1;
   TORCH_CHECK_VALUE(q.dim() == 2 && q.is_contiguous() && q.size(0) > 0 && q.size(1) > 0 &&
-                        q.scalar_type() == (wide ? at::kChar : at::kByte),
-                    "pack_records: q must be [N, K] contiguous, int8 (bits 8, 9, 11) or uint8");
+                        q.scalar_type() == (wide || layout.levels ? at::kChar : at::kByte),
+                    "pack_records: q must be [N, K] contiguous, int8 (bits 8, 9, 11, 12) or uint8");
   const int64_t N = q.size(0), K = q.size(1), G = (N + 63) / 64, KB = (K + 31) / 32;
   const int64_t per_d = layout.halves ? 2 : 1;
   const auto scales = [&](const torch::Tensor& t, at::ScalarType type, bool used, int64_t per,
@@ -529,6 +547,11 @@ torch::Tensor pack_records(torch::Tensor q, torch::Tensor d, torch::Tensor z, to
   const auto weights = [&](uint8_t* body, int64_t row, bool real, int64_t kb) {
     const uint8_t* qr = real ? qp + row * K + kb * 32 : qp;
     const int64_t width = real ? std::min<int64_t>(32, K - kb * 32) : 0;  // q past it: 0
+    uint8_t indices[32];
+    if (layout.levels && real) {  // IQ4's levels -> their 4-bit indices
+      for (int64_t t = 0; t < width; ++t) indices[t] = level_index(static_cast<int8_t>(qr[t]));
+      qr = indices;
+    }
     if (width == 32) {  // 4 bytes at a time: K 4 kq + j of a quad are adjacent
       for (int kq = 0; kq < (wide ? 8 : 4); ++kq) {
         uint32_t quad, high;
@@ -583,15 +606,17 @@ torch::Tensor pack_records(torch::Tensor q, torch::Tensor d, torch::Tensor z, to
         TORCH_CHECK_VALUE(static_cast<float>(hd) == super_d && static_cast<float>(hm) == super_m,
                           "pack_records: supers must hold float16 values");
         reinterpret_cast<c10::Half*>(rec + layout.d)[i] = hd;
-        reinterpret_cast<c10::Half*>(rec + layout.m)[i] = hm;
+        if (layout.m >= 0) reinterpret_cast<c10::Half*>(rec + layout.m)[i] = hm;
         for (int64_t j = 0; j < layout.blocks; ++j) {
           const int64_t kb = s * layout.blocks + j;
           for (int64_t h = 0; h < per_d; ++h) {
             const float dv = real ? reinterpret_cast<const float*>(dp)[row * per_d * KB + per_d * kb + h] : 0.0f;
             rec[layout.sc + (j * per_d + h) * 64 + i] = static_cast<uint8_t>(integer_scale(dv, super_d, false));
           }
-          const float mv = real ? reinterpret_cast<const float*>(mp)[row * KB + kb] : -0.0f;
-          rec[layout.mn + j * 64 + i] = static_cast<uint8_t>(integer_scale(mv, super_m, true));
+          if (layout.m >= 0) {
+            const float mv = real ? reinterpret_cast<const float*>(mp)[row * KB + kb] : -0.0f;
+            rec[layout.mn + j * 64 + i] = static_cast<uint8_t>(integer_scale(mv, super_m, true));
+          }
           weights(rec + layout.header + j * layout.body() + (i / 16) * 64 + (i % 16) * 4, row, real, kb);
         }
       }
@@ -607,9 +632,6 @@ torch::Tensor pack_records(torch::Tensor q, torch::Tensor d, torch::Tensor z, to
 enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ3_K = 11,
                           kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23 };
 
-// IQ4_NL's and IQ4_XS's 16 levels (ggml's kvalues_iq4nl), named by a 4-bit index
-constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                   1,    13,   25,  38,  53,  69,  89,  113};
 
 // 16 bytes of 4-bit indices (K t low, 16 + t high) as their levels
 inline void iq4_block(const uint8_t* qs, int8_t* q) {

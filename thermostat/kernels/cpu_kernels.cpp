@@ -965,12 +965,20 @@ void quantize_blocks(const T* xp, int64_t K, int64_t stride, int64_t KB, Quantiz
   }
 }
 
+// IQ4's 16 levels + 128 as bytes, in each 128-bit lane (vpshufb looks up within lanes)
+inline __m512i iq4_bytes() {
+  alignas(16) uint8_t table[16];
+  for (int i = 0; i < 16; ++i) table[i] = static_cast<uint8_t>(kIq4Levels[i] + 128);
+  return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(table)));
+}
+
 // Rows [m0, m0 + R) x column blocks [c0, c0 + C) of a group, K block kb (one record): the integer
 // dot products of the block's K quads [kq0, kq1) (4 bytes of K each; a 4-bit body's quad kq holds
-// K 4kq.. and 16 + 4kq..), exact, into acc.
+// K 4kq.. and 16 + 4kq..), exact, into acc. IQ4's level indices: those of K half `half` alone
+// (its nibbles, low or high), each looked up as its level + 128 (vpshufb), as int8's bytes.
 template <int BITS, int R, int C, bool PREFETCH>
 inline void block_dots(const QuantizedActivations& a, QuantBlock blk, int64_t KB, int64_t kb,
-                       int64_t m0, int c0, int kq0, int kq1, __m512i (&acc)[R][C]) {
+                       int64_t m0, int c0, int kq0, int kq1, __m512i (&acc)[R][C], int half = 0) {
   constexpr QuantLayout layout = quant_layout(BITS);
   const int64_t Kp = KB * 32;
   for (int r = 0; r < R; ++r)
@@ -982,7 +990,11 @@ inline void block_dots(const QuantizedActivations& a, QuantBlock blk, int64_t KB
       const uint8_t* p = wp + (kq * 4 + c0 + c) * 64;
       if (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
       const __m512i raw = _mm512_loadu_si512(p);
-      if (!layout.nibbles) {
+      if constexpr (layout.levels) {
+        const __m512i low4 = _mm512_set1_epi8(0x0F);
+        const __m512i index = _mm512_and_si512(half == 0 ? raw : _mm512_srli_epi16(raw, 4), low4);
+        w[c] = _mm512_shuffle_epi8(iq4_bytes(), index);
+      } else if (!layout.nibbles) {
         w[c] = raw;
       } else {
         const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -991,12 +1003,12 @@ inline void block_dots(const QuantizedActivations& a, QuantBlock blk, int64_t KB
       }
     }
     for (int r = 0; r < R; ++r) {
-      const int8_t* xr = a.q.data() + (m0 + r) * Kp + kb * 32;
+      const int8_t* xr = a.q.data() + (m0 + r) * Kp + kb * 32 + (layout.levels ? 16 * half : 0);
       int32_t quad;
       std::memcpy(&quad, xr + kq * 4, sizeof(quad));
       const __m512i xb = _mm512_set1_epi32(quad);
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w[c], xb);
-      if (layout.nibbles) {
+      if (layout.nibbles && !layout.levels) {
         std::memcpy(&quad, xr + 16 + kq * 4, sizeof(quad));
         const __m512i xh = _mm512_set1_epi32(quad);
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], w_hi[c], xh);
@@ -1129,10 +1141,15 @@ void quant_group(const QuantizedActivations& a, int64_t M, const uint8_t* W, int
     for (int64_t kb = 0; kb < KB; ++kb) {
       const QuantBlock blk = quant_block_at<BITS>(group, kb);
       // the halves formats' halves one after the other (their sums would not fit the registers together)
+      // (IQ4's level indices: the low nibbles are K 0-15, the high ones K 16-31)
       constexpr int halves = layout.halves ? 2 : 1, quads = (layout.nibbles ? 4 : 8) / halves;
       for (int h = 0; h < halves; ++h) {
         __m512i acc[R][C];
-        block_dots<BITS, R, C, PREFETCH>(a, blk, KB, kb, m0, c0, h * quads, (h + 1) * quads, acc);
+        if constexpr (layout.levels) {
+          block_dots<BITS, R, C, PREFETCH>(a, blk, KB, kb, m0, c0, 0, 4, acc, h);
+        } else {
+          block_dots<BITS, R, C, PREFETCH>(a, blk, KB, kb, m0, c0, h * quads, (h + 1) * quads, acc);
+        }
         __m512 d[C];
         for (int c = 0; c < C; ++c) d[c] = scales.d(kb, h, c0 + c);
         for (int r = 0; r < R; ++r)

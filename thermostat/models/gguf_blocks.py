@@ -28,9 +28,9 @@ Rows of different types in one weight (a fused qkv of a Q4_K_M file: Q4_K q and 
 the format that holds them all: `bits` 9 holds every type above exactly.
 
 With the kernels, the super-block types (the K-quants and IQ4_XS) keep the file's factored
-scales: `bits` 10 for Q4_K (6's values) and 11 for the rest and their mixes (9's), a quarter and
-a fifth fewer bytes, the same values (quant.py). The grid reads each super-block's d and dmin
-for them (`supers`).
+scales: `bits` 10 for Q4_K (6's values), 12 for IQ4_XS (its 4-bit level indices) and 11 for the
+rest and their mixes (9's), the same values in fewer bytes (quant.py). The grid reads each
+super-block's d and dmin for them (`supers`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize
 
-from thermostat.models.quant import SUPER, Bits, QuantizedWeight, block_bytes
+from thermostat.models import quant
+from thermostat.models.quant import LEVELS, SUPER, Bits, QuantizedWeight, block_bytes
 
 if TYPE_CHECKING:
     from thermostat.kernels import LinearOps
@@ -72,12 +73,10 @@ NARROW: dict[frozenset[str], Bits] = {
     frozenset({"Q4_K"}): 6,
 }
 # the types of 256-weight super-blocks, whose d (and dmin) factor every block's scale: rows all of
-# them take a super-block format with the kernels (10 for Q4_K alone, else 11)
+# them take a super-block format with the kernels (10 for Q4_K alone, 12 for IQ4_XS, else 11)
 SUPER_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_XS"})
 # IQ4's 16 levels (ggml's kvalues_iq4nl): q is the level its 4-bit index names
-IQ4_LEVELS = np.array(
-    (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), dtype=np.int8
-)
+IQ4_LEVELS = np.array(quant.IQ4_LEVELS, dtype=np.int8)
 # the integers' fields of a block: (byte start, byte end, bytes per run, shifts, mask, place),
 # each run of bytes giving its values shifted by each shift in turn (ggml's order: a run's low
 # nibbles, then its high ones), masked, then OR-ed in at bit `place` (a second field holds the
@@ -222,6 +221,8 @@ class BlockGrid:
             q, d, m = self.q.view(torch.uint8), per_32.half(), self.m.half()
             return QuantizedWeight.pack(q, d, z, m, ops=ops, out=out)
         supers = self.supers if bits in SUPER else None
+        if bits == LEVELS:  # IQ4_XS: no minimums
+            return QuantizedWeight.pack(self.q, self.d, None, None, bits, ops, out, supers)
         if bits in (6, 10):
             q4 = self.q.view(torch.uint8)  # 0..15 either way
             d = per_32.contiguous()
@@ -234,7 +235,7 @@ def record_format(qtypes: frozenset[str], compact: bool = False) -> Bits:
     `compact` (the kernels pack it, the rows' super-block scales at hand), a super-block format
     for SUPER_TYPES rows."""
     if compact and qtypes <= SUPER_TYPES:
-        return 10 if qtypes == {"Q4_K"} else 11
+        return {frozenset({"Q4_K"}): 10, frozenset({"IQ4_XS"}): LEVELS}.get(qtypes, 11)
     return 8 if qtypes <= FLOAT16_INT8 else NARROW.get(qtypes, 9)
 
 
