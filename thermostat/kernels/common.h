@@ -467,14 +467,15 @@ torch::Tensor quantize_int4(torch::Tensor w) {
   });
 }
 
-// The 4-bit index of IQ4 level v (kIq4Levels)
-inline uint8_t level_index(int8_t v) {
-  for (uint8_t i = 0; i < 16; ++i) {
-    if (kIq4Levels[i] == v) return i;
+// IQ4's level indices by the level's byte (16: no level)
+struct LevelIndices {
+  uint8_t of[256];
+  constexpr LevelIndices() : of() {
+    for (int v = 0; v < 256; ++v) of[v] = 16;
+    for (int i = 0; i < 16; ++i) of[static_cast<uint8_t>(kIq4Levels[i])] = static_cast<uint8_t>(i);
   }
-  TORCH_CHECK_VALUE(false, "pack_records: ", static_cast<int>(v), " is not one of IQ4's levels");
-  return 0;
-}
+};
+constexpr LevelIndices kLevelIndices;
 
 // The integer j with d == scale j to the bit (scale j negated: `negated`), j in [-128, 127]
 // (Q6_K's scales take all of int8), for a super-block format's scales (scale 0: d must be 0 j,
@@ -549,7 +550,12 @@ torch::Tensor pack_records(torch::Tensor q, torch::Tensor d, torch::Tensor z, to
     const int64_t width = real ? std::min<int64_t>(32, K - kb * 32) : 0;  // q past it: 0
     uint8_t indices[32];
     if (layout.levels && real) {  // IQ4's levels -> their 4-bit indices
-      for (int64_t t = 0; t < width; ++t) indices[t] = level_index(static_cast<int8_t>(qr[t]));
+      uint8_t none = 0;
+      for (int64_t t = 0; t < width; ++t) {
+        indices[t] = kLevelIndices.of[qr[t]];
+        none |= indices[t] & 16;
+      }
+      TORCH_CHECK_VALUE(none == 0, "pack_records: a q is not one of IQ4's levels");
       qr = indices;
     }
     if (width == 32) {  // 4 bytes at a time: K 4 kq + j of a quad are adjacent
