@@ -29,6 +29,14 @@
 //                                                                                         Q6_K
 // (float32 scales: a K-quant's d x its 6-bit sub-block scale needs 17 bits, which float16 has
 // not; code 9's two d's per block hold Q6_K's sub-blocks of 16.)
+// The super-block formats hold 6's and 9's values as the file factors them, one record per 8 K
+// blocks (a K-quant's 256), header then the 8 blocks' bodies (QuantLayout's blocks, sc, mn):
+//   10    d, dmin f16; sc, mn int8 [8]              1280   int4   (d sc) q - dmin mn     Q4_K
+//   11    d, dmin f16; sc int8 [8][2], mn int8 [8]  1792   int8   as 9, each d d sc      Q5_K Q6_K
+//                                                                                         Q3_K
+//   12    d f16; sc int8 [8][2]                     1152   4-bit indices of IQ4's levels  IQ4_XS
+//                                                          (int8), as 9 with no m
+// Their products d sc and dmin mn are exact in float32: the same values, so the same bits.
 // Activations are quantized per row and K block as q8_0 does (s = max|x| / 127, xq = round(x / s)
 // to nearest even). Both builds sum the integer products of a block exactly and then, per K block
 // in K order, for each output: y += (d s) float(sum_k (q - z) xq) by one fused multiply-add (code
