@@ -128,6 +128,24 @@ def test_linear_quant_is_batch_invariant(ops, fmt):
                     torch.randn(130, 576, generator=g).bfloat16())  # fmt: skip
 
 
+def test_linear_quant_takes_any_zero_point_at_batch_size(ops):
+    """int4 blocks whose zero point z puts q - z outside int8 (z below -112: the AMX path's signed
+    bytes cannot hold them, so their group takes the other path) beside ordinary ones: the same
+    bits per row at any batch size, and the reference's values."""
+    g = torch.Generator().manual_seed(8)
+    n, k = 192, 96
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    d = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+    z = torch.randint(-10, 20, (n, k // 32), generator=g, dtype=torch.int8)
+    z[70, 1] = -128  # the second group's
+    z[5, 0], z[140, 2] = -112, 127  # the first and third groups': the ends that fit
+    qw = QuantizedWeight.pack(q, d, z)
+    x = torch.randn(40, k, generator=g).bfloat16()
+    batch_invariant(lambda rows: ops.linear_quant(rows, qw, None), x)
+    want = reference_linear(x.float(), qw)
+    torch.testing.assert_close(ops.linear_quant(x, qw, None).float(), want, atol=4e-2, rtol=2e-2)
+
+
 def test_linear_quant_refuses_bad_input(ops):
     qw = quantize(torch.randn(8, 64), "int8")
     with pytest.raises(ValueError, match="does not match"):

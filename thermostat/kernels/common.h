@@ -236,11 +236,25 @@ struct QuantizedActivations {
   std::vector<int32_t> sum;  // [M, KB]: sum of the block's q
   std::vector<int32_t> low;  // [M, KB]: sum of its first 16 q (code 9's halves)
 
+  // For the AVX-512 build's AMX path, by slab of 16 rows: [M / 16][KB][2][16], each row's s,
+  // then s sum(q), of each block
+  std::vector<float> slabs;
+
+  // q and slabs hold whole slabs of 16 rows: an AMX tile reads 16 rows, and those past M (zeros,
+  // or what an earlier call left: finite values) give outputs that are never stored.
   void resize(int64_t M, int64_t KB) {
-    q.resize(M * KB * 32);
+    const int64_t Mp = (M + 15) / 16 * 16;
+    q.resize(Mp * KB * 32);
     s.resize(M * KB);
     sum.resize(M * KB);
     low.resize(M * KB);
+    slabs.resize(Mp * KB * 2);
+  }
+
+  void slab_factors(int64_t m, int64_t kb, int64_t KB, float scale, float scaled_sum) {
+    float* at = slabs.data() + ((m / 16) * KB + kb) * 32 + m % 16;
+    at[0] = scale;
+    at[16] = scaled_sum;
   }
 };
 
