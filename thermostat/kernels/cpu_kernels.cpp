@@ -599,7 +599,6 @@ void merge_chunks(const AttentionArgs<T, C>& a, const AttentionPlan& plan, int64
   for (int64_t d = 0; d < dv; ++d) store16(orow + d * kLanes, _mm512_mul_ps(acc[d], inv));
 }
 
-#include "prefill_attention.h"
 
 // ---------------------------------------------------------------- bf16 linear, VNNI layout
 //
@@ -927,6 +926,8 @@ void linear_vnni_rows(const torch::Tensor& x, int64_t Kp, const uint16_t* wp, in
                   NB, KS, bp, yp, N);
   }
 }
+
+#include "prefill_attention.h"
 
 // ---------------------------------------------------------------- int8 / int4 linear
 //

@@ -51,6 +51,11 @@ struct PrefillScratch {
   std::vector<float> rows;           // [D][kQueryLanes]: the output before it is scattered
   std::vector<c10::BFloat16> kstage, vstage;  // [kKeyTile][D]: an fp8 tile's rows in bf16
   __m512 s[kKeyTile][kQueryVecs];    // scores, then weights
+  // AMX tiles' operands: the tile's keys [kKeyTile][D] (krow's rows, contiguous), vpairs
+  // transposed [D / 16][16 dims][kKeyTile / 2], a product tile [16][16]
+  std::vector<c10::BFloat16> ktile;
+  std::vector<uint32_t> vtiles;
+  alignas(64) float product[16 * 16];
 #ifdef __AVX512BF16__
   std::vector<uint32_t> vpairs;      // [kKeyTile / 2][D]: keys (2j, 2j + 1)'s values, paired
   __m512i p[kKeyTile / 2][kQueryVecs];  // weights of keys (2j, 2j + 1), bf16 pairs
@@ -97,15 +102,132 @@ inline const c10::BFloat16* bf16_row(const uint8_t* cache, const float* scales, 
   return stage;
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// 16 rows of 16 dwords (r) -> out, their transpose: unpacks pair, then quad, the rows' dwords in
+// each 128-bit lane, then 128-bit lanes move across the four registers that hold a column.
+inline void transpose16(const __m512i (&r)[16], __m512i (&out)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + k] lane L: column 4 L + k of rows i .. i + 3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44);
+    const __m512i v1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
+    out[k] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    out[4 + k] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    out[8 + k] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    out[12 + k] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
+// The tile's scores on AMX: s.s[j][v] = q_v . k_j (TDPBF16PS over D, 32 dims a step) for its
+// 32 keys (s.ktile) and 48 query lanes (s.qpairs, which is the B operand as it lies): C tiles 0-5
+// (key block b, query vector v: tile 3 b + v), A tile 6, B tile 7; stored into s.s in place.
+inline void tile_scores(PrefillScratch& s, int64_t D) {
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
+  const uint32_t* q = s.qpairs.data();
+  const c10::BFloat16* k = s.ktile.data();
+  for (int64_t d0 = 0; d0 < D; d0 += 32) {
+    const uint32_t* qd = q + (d0 / 2) * kQueryLanes;
+    _tile_loadd(6, k + d0, D * 2);
+    _tile_loadd(7, qd, kQueryLanes * 4);
+    _tile_dpbf16ps(0, 6, 7);
+    _tile_loadd(7, qd + kLanes, kQueryLanes * 4);
+    _tile_dpbf16ps(1, 6, 7);
+    _tile_loadd(7, qd + 2 * kLanes, kQueryLanes * 4);
+    _tile_dpbf16ps(2, 6, 7);
+    _tile_loadd(6, k + 16 * D + d0, D * 2);
+    _tile_loadd(7, qd, kQueryLanes * 4);
+    _tile_dpbf16ps(3, 6, 7);
+    _tile_loadd(7, qd + kLanes, kQueryLanes * 4);
+    _tile_dpbf16ps(4, 6, 7);
+    _tile_loadd(7, qd + 2 * kLanes, kQueryLanes * 4);
+    _tile_dpbf16ps(5, 6, 7);
+  }
+  constexpr int64_t row = kQueryVecs * 64;  // bytes between keys in s.s
+  auto* out = reinterpret_cast<char*>(&s.s[0][0]);
+  _tile_stored(0, out, row);
+  _tile_stored(1, out + 64, row);
+  _tile_stored(2, out + 128, row);
+  _tile_stored(3, out + 16 * row, row);
+  _tile_stored(4, out + 16 * row + 64, row);
+  _tile_stored(5, out + 16 * row + 128, row);
+}
+
+// Whether this thread computes with tiles (AMX, permitted): their shapes loaded, all 16 x 64
+// bytes; release_attention_tiles after.
+inline bool attention_tiles() {
+  if (!amx_permitted()) return false;
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  load_tile_config(cfg);
+  return true;
+}
+inline void release_attention_tiles() { _tile_release(); }
+
+// o = corr o + P V on AMX: for each 16 of the (paired-order) dims, TDPBF16PS of the values'
+// pairs transposed (A, tile 6: dims x the tile's 16 key pairs) and the weights' pairs as they
+// lie (B, tiles 3-5: key pairs x 16 query lanes), a fresh sum of the tile's keys per query, then
+// added to the corrected state in one fused step.
+inline void tile_values(PrefillScratch& s, int64_t D, const __m512 (&corr)[kQueryVecs]) {
+  constexpr int64_t row = kQueryVecs * 64;  // bytes between key pairs in s.p
+  const auto* p = reinterpret_cast<const char*>(&s.p[0][0]);
+  _tile_loadd(3, p, row);
+  _tile_loadd(4, p + 64, row);
+  _tile_loadd(5, p + 128, row);
+  s.vtiles.resize(D * kKeyTile / 2);
+  for (int64_t w0 = 0; w0 < D; w0 += 16) {
+    __m512i r[16], t[16];
+    for (int64_t jp = 0; jp < 16; ++jp) r[jp] = _mm512_loadu_si512(s.vpairs.data() + jp * D + w0);
+    transpose16(r, t);
+    uint32_t* vt = s.vtiles.data() + w0 * 16;
+    for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(vt + i * 16, t[i]);
+    _tile_loadd(6, vt, 64);
+    _tile_zero(0); _tile_zero(1); _tile_zero(2);
+    _tile_dpbf16ps(0, 6, 3);
+    _tile_dpbf16ps(1, 6, 4);
+    _tile_dpbf16ps(2, 6, 5);
+    for (int v = 0; v < kQueryVecs; ++v) {
+      if (v == 0) _tile_stored(0, s.product, 64);
+      if (v == 1) _tile_stored(1, s.product, 64);
+      if (v == 2) _tile_stored(2, s.product, 64);
+      for (int64_t i = 0; i < 16; ++i) {
+        __m512& o = s.o[(w0 + i) * kQueryVecs + v];
+        o = _mm512_fmadd_ps(o, corr[v], _mm512_load_ps(s.product + i * 16));
+      }
+    }
+  }
+}
+#else
+inline bool attention_tiles() { return false; }
+inline void release_attention_tiles() {}
+inline void tile_scores(PrefillScratch&, int64_t) {}
+template <typename V>
+inline void tile_values(PrefillScratch&, int64_t, const V&) {}
+#endif
+
 // Item (KV head h, rows [r0, r0 + rows)).
 template <typename C>
 void prefill_item(const PrefillArgs<C>& a, int64_t h, int64_t r0, int64_t rows,
-                  PrefillScratch& s, const c10::BFloat16* zeros) {
+                  PrefillScratch& s, const c10::BFloat16* zeros, bool tiles) {
   const int64_t group = a.Hq / a.Hkv, D = a.D, pairs = D / 2, bs = a.block_size;
   s.qpairs.assign(pairs * kQueryLanes, 0);
   s.o.assign(D * kQueryVecs, _mm512_setzero_ps());
   s.kstage.resize(kKeyTile * D);
   s.vstage.resize(kKeyTile * D);
+  if (tiles) s.ktile.resize(kKeyTile * D);
   alignas(64) int32_t pos[kQueryLanes];
   for (int64_t m = 0; m < kQueryLanes; ++m) {
     const int64_t r = m / group, g = m % group;
@@ -146,12 +268,23 @@ void prefill_item(const PrefillArgs<C>& a, int64_t h, int64_t r0, int64_t rows,
       const int64_t at = t <= last ? (a.table[t / bs] * bs + t % bs) * a.Hkv + h : -1;
       krow[j] = at < 0 ? zeros : bf16_row(a.keys, a.key_scales, at, D, s.kstage.data() + j * D);
       vrow[j] = at < 0 ? zeros : bf16_row(a.values, a.value_scales, at, D, s.vstage.data() + j * D);
+      if (tiles) std::memcpy(s.ktile.data() + j * D, krow[j], D * sizeof(c10::BFloat16));
 #ifndef __AVX512BF16__
       for (int64_t c = 0; c < D; c += kLanes) _mm512_storeu_ps(&s.keys[j * D + c], load16(krow[j] + c));
 #endif
     }
     // scores s[j][v] = scale q . k_j, -inf past the lane's position
-    for (int64_t j0 = 0; j0 < kKeyTile; j0 += kKeyStep) {
+    if (tiles) {
+      tile_scores(s, D);
+      for (int64_t j = 0; j < kKeyTile; ++j) {
+        const __m512i t = _mm512_set1_epi32(static_cast<int>(t0 + j));
+        for (int64_t v = 0; v < kQueryVecs; ++v) {
+          const __mmask16 masked = _mm512_cmpgt_epi32_mask(t, posv[v]);
+          s.s[j][v] = _mm512_mask_blend_ps(masked, _mm512_mul_ps(s.s[j][v], _mm512_set1_ps(a.scale)), minus_inf);
+        }
+      }
+    }
+    for (int64_t j0 = 0; j0 < kKeyTile && !tiles; j0 += kKeyStep) {
       __m512 acc[kKeyStep][kQueryVecs];
       for (auto& row : acc) for (auto& x : row) x = _mm512_setzero_ps();
       for (int64_t p = 0; p < pairs; ++p) {
@@ -232,7 +365,8 @@ void prefill_item(const PrefillArgs<C>& a, int64_t h, int64_t r0, int64_t rows,
       }
     }
     // o = corr o + P V, kValueStep paired dims at a time
-    for (int64_t w0 = 0; w0 < D; w0 += kValueStep) {
+    if (tiles) tile_values(s, D, corr);
+    for (int64_t w0 = 0; w0 < D && !tiles; w0 += kValueStep) {
       __m512 acc[kValueStep][kQueryVecs];
       for (int64_t w = 0; w < kValueStep; ++w) {
         for (int64_t v = 0; v < kQueryVecs; ++v) {
@@ -320,10 +454,12 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor key_cache,
     // the last rows attend to the most keys: handed out first, so the threads end together
     parallel_pieces(Hkv * tiles, 4, [&](int64_t b, int64_t e) {
       PrefillScratch scratch;
+      const bool amx = attention_tiles();
       for (int64_t i = b; i < e; ++i) {
         const int64_t tile = tiles - 1 - i / Hkv, r0 = tile * rows;
-        prefill_item(args, i % Hkv, r0, std::min(rows, T - r0), scratch, zeros.data());
+        prefill_item(args, i % Hkv, r0, std::min(rows, T - r0), scratch, zeros.data(), amx);
       }
+      if (amx) release_attention_tiles();
     });
   };
   if (key_cache.scalar_type() == at::kByte) run(uint8_t{});
