@@ -38,6 +38,7 @@ constexpr int64_t kQueryVecs = 3;                      // query vectors (of kLan
 constexpr int64_t kQueryLanes = kQueryVecs * kLanes;  // 48 queries
 constexpr int64_t kKeyStep = 8;                        // keys per Q K^T register tile
 constexpr int64_t kValueStep = 8;                      // value pairs per P V register tile
+constexpr int64_t kLaneBlocks = 4;  // blocks of kQueryLanes per item: each key tile read once for them
 
 template <typename C>  // the cache's element: c10::BFloat16, or uint8_t for fp8_e4m3 bytes
 struct PrefillArgs {
@@ -51,9 +52,19 @@ struct PrefillArgs {
   c10::BFloat16* out;  // [T, Hq, D]
 };
 
+// One block of an item's query lanes (kQueryLanes: rows x the head's group): its queries and its
+// online softmax's state.
+struct LaneBlock {
+  std::vector<uint32_t> qpairs;  // [D / 2][kQueryLanes]: query m's dims (2p, 2p + 1)
+  std::vector<__m512> o;         // [D][kQueryVecs], dims in the paired order (paired_dim)
+  std::vector<float> qhalves;    // without AVX512-BF16: [D / 2][2][kQueryLanes], dims 2p + 1, 2p
+  __m512i pos[kQueryVecs];       // each lane's position (-1: no query, every key masked)
+  __m512 top[kQueryVecs], sum[kQueryVecs];
+  int64_t last;                  // the last position any of its rows attends
+};
+
 struct PrefillScratch {
-  std::vector<uint32_t> qpairs;      // [D / 2][kQueryLanes]: query m's dims (2p, 2p + 1)
-  std::vector<__m512> o;             // [D][kQueryVecs], dims in the paired order (paired_dim)
+  std::vector<LaneBlock> blocks;
   std::vector<float> rows;           // [D][kQueryLanes]: the output before it is scattered
   std::vector<c10::BFloat16> kstage, vstage;  // [kKeyTile][D]: an fp8 tile's rows in bf16
   __m512 s[kKeyTile][kQueryVecs];    // scores, then weights
@@ -66,7 +77,6 @@ struct PrefillScratch {
   std::vector<uint32_t> vpairs;      // [kKeyTile / 2][D]: keys (2j, 2j + 1)'s values, paired
   __m512i p[kKeyTile / 2][kQueryVecs];  // weights of keys (2j, 2j + 1), bf16 pairs
 #else
-  std::vector<float> qhalves;  // [D / 2][2][kQueryLanes]: query m's dims 2p + 1, then 2p
   std::vector<float> keys;     // [kKeyTile][D]: the tile's keys as floats
   std::vector<float> vhalves;  // [kKeyTile / 2][2][D]: keys 2j + 1 and 2j's values, paired order
   __m512 phigh[kKeyTile / 2][kQueryVecs], plow[kKeyTile / 2][kQueryVecs];  // keys 2j + 1, 2j
@@ -136,11 +146,10 @@ inline void transpose16(const __m512i (&r)[16], __m512i (&out)[16]) {
 }
 
 // The tile's scores on AMX: s.s[j][v] = q_v . k_j (TDPBF16PS over D, 32 dims a step) for its
-// 32 keys (s.ktile) and 48 query lanes (s.qpairs, which is the B operand as it lies): C tiles 0-5
+// 32 keys (s.ktile) and a block's 48 query lanes (q: its qpairs, the B operand as they lie): C tiles 0-5
 // (key block b, query vector v: tile 3 b + v), A tile 6, B tile 7; stored into s.s in place.
-inline void tile_scores(PrefillScratch& s, int64_t D) {
+inline void tile_scores(PrefillScratch& s, const uint32_t* q, int64_t D) {
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
-  const uint32_t* q = s.qpairs.data();
   const c10::BFloat16* k = s.ktile.data();
   for (int64_t d0 = 0; d0 < D; d0 += 32) {
     const uint32_t* qd = q + (d0 / 2) * kQueryLanes;
@@ -183,16 +192,8 @@ inline bool attention_tiles() {
 }
 inline void release_attention_tiles() { _tile_release(); }
 
-// o = corr o + P V on AMX: for each 16 of the (paired-order) dims, TDPBF16PS of the values'
-// pairs transposed (A, tile 6: dims x the tile's 16 key pairs) and the weights' pairs as they
-// lie (B, tiles 3-5: key pairs x 16 query lanes), a fresh sum of the tile's keys per query, then
-// added to the corrected state in one fused step.
-inline void tile_values(PrefillScratch& s, int64_t D, const __m512 (&corr)[kQueryVecs]) {
-  constexpr int64_t row = kQueryVecs * 64;  // bytes between key pairs in s.p
-  const auto* p = reinterpret_cast<const char*>(&s.p[0][0]);
-  _tile_loadd(3, p, row);
-  _tile_loadd(4, p + 64, row);
-  _tile_loadd(5, p + 128, row);
+// The tile's values' pairs transposed, 16 dims x 16 key pairs at a time (s.vtiles: A tiles).
+inline void transpose_values(PrefillScratch& s, int64_t D) {
   s.vtiles.resize(D * kKeyTile / 2);
   for (int64_t w0 = 0; w0 < D; w0 += 16) {
     __m512i r[16], t[16];
@@ -200,7 +201,21 @@ inline void tile_values(PrefillScratch& s, int64_t D, const __m512 (&corr)[kQuer
     transpose16(r, t);
     uint32_t* vt = s.vtiles.data() + w0 * 16;
     for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(vt + i * 16, t[i]);
-    _tile_loadd(6, vt, 64);
+  }
+}
+
+// o = corr o + P V on AMX: for each 16 of the (paired-order) dims, TDPBF16PS of the values'
+// pairs transposed (A, tile 6: dims x the tile's 16 key pairs) and the weights' pairs as they
+// lie (B, tiles 3-5: key pairs x 16 query lanes), a fresh sum of the tile's keys per query, then
+// added to the corrected state in one fused step.
+inline void tile_values(PrefillScratch& s, __m512* o, int64_t D, const __m512 (&corr)[kQueryVecs]) {
+  constexpr int64_t row = kQueryVecs * 64;  // bytes between key pairs in s.p
+  const auto* p = reinterpret_cast<const char*>(&s.p[0][0]);
+  _tile_loadd(3, p, row);
+  _tile_loadd(4, p + 64, row);
+  _tile_loadd(5, p + 128, row);
+  for (int64_t w0 = 0; w0 < D; w0 += 16) {
+    _tile_loadd(6, s.vtiles.data() + w0 * 16, 64);
     _tile_zero(0); _tile_zero(1); _tile_zero(2);
     _tile_dpbf16ps(0, 6, 3);
     _tile_dpbf16ps(1, 6, 4);
@@ -210,8 +225,8 @@ inline void tile_values(PrefillScratch& s, int64_t D, const __m512 (&corr)[kQuer
       if (v == 1) _tile_stored(1, s.product, 64);
       if (v == 2) _tile_stored(2, s.product, 64);
       for (int64_t i = 0; i < 16; ++i) {
-        __m512& o = s.o[(w0 + i) * kQueryVecs + v];
-        o = _mm512_fmadd_ps(o, corr[v], _mm512_load_ps(s.product + i * 16));
+        __m512& out = o[(w0 + i) * kQueryVecs + v];
+        out = _mm512_fmadd_ps(out, corr[v], _mm512_load_ps(s.product + i * 16));
       }
     }
   }
@@ -219,53 +234,179 @@ inline void tile_values(PrefillScratch& s, int64_t D, const __m512 (&corr)[kQuer
 #else
 inline bool attention_tiles() { return false; }
 inline void release_attention_tiles() {}
-inline void tile_scores(PrefillScratch&, int64_t) {}
+inline void tile_scores(PrefillScratch&, const uint32_t*, int64_t) {}
+inline void transpose_values(PrefillScratch&, int64_t) {}
 template <typename V>
-inline void tile_values(PrefillScratch&, int64_t, const V&) {}
+inline void tile_values(PrefillScratch&, __m512*, int64_t, const V&) {}
 #endif
 
-// Item (KV head h, rows [r0, r0 + rows)).
+// One lane block against the key tile at t0 (staged: krow, s.ktile, s.vpairs / vtiles, or the
+// float copies without AVX512-BF16): its scores, the online softmax's step, o = corr o + P V.
+template <typename C>
+void attend_tile(const PrefillArgs<C>& a, PrefillScratch& s, LaneBlock& lb, int64_t t0,
+                 const c10::BFloat16* const* krow, bool tiles) {
+  const int64_t D = a.D, pairs = D / 2;
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  // scores s[j][v] = scale q . k_j, -inf past the lane's position
+  if (tiles) {
+    tile_scores(s, lb.qpairs.data(), D);
+    for (int64_t j = 0; j < kKeyTile; ++j) {
+      const __m512i t = _mm512_set1_epi32(static_cast<int>(t0 + j));
+      for (int64_t v = 0; v < kQueryVecs; ++v) {
+        const __mmask16 masked = _mm512_cmpgt_epi32_mask(t, lb.pos[v]);
+        s.s[j][v] = _mm512_mask_blend_ps(masked, _mm512_mul_ps(s.s[j][v], _mm512_set1_ps(a.scale)), minus_inf);
+      }
+    }
+  }
+  for (int64_t j0 = 0; j0 < kKeyTile && !tiles; j0 += kKeyStep) {
+    __m512 acc[kKeyStep][kQueryVecs];
+    for (auto& row : acc) for (auto& x : row) x = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {
+#ifdef __AVX512BF16__
+      __m512i qv[kQueryVecs];
+      for (int64_t v = 0; v < kQueryVecs; ++v) {
+        qv[v] = _mm512_loadu_si512(lb.qpairs.data() + p * kQueryLanes + v * kLanes);
+      }
+      for (int64_t j = 0; j < kKeyStep; ++j) {
+        const __m512i kp = _mm512_set1_epi32(
+            static_cast<int>(reinterpret_cast<const uint32_t*>(krow[j0 + j])[p]));
+        for (int64_t v = 0; v < kQueryVecs; ++v) acc[j][v] = dot_pairs(acc[j][v], qv[v], kp);
+      }
+#else
+      __m512 high[kQueryVecs], low[kQueryVecs];
+      for (int64_t v = 0; v < kQueryVecs; ++v) {
+        high[v] = _mm512_loadu_ps(lb.qhalves.data() + 2 * p * kQueryLanes + v * kLanes);
+        low[v] = _mm512_loadu_ps(lb.qhalves.data() + (2 * p + 1) * kQueryLanes + v * kLanes);
+      }
+      for (int64_t j = 0; j < kKeyStep; ++j) {
+        const float* k = s.keys.data() + (j0 + j) * D + 2 * p;
+        const __m512 khigh = _mm512_set1_ps(k[1]), klow = _mm512_set1_ps(k[0]);
+        for (int64_t v = 0; v < kQueryVecs; ++v) {
+          acc[j][v] = _mm512_fmadd_ps(low[v], klow, _mm512_fmadd_ps(high[v], khigh, acc[j][v]));
+        }
+      }
+#endif
+    }
+    for (int64_t j = 0; j < kKeyStep; ++j) {
+      const __m512i t = _mm512_set1_epi32(static_cast<int>(t0 + j0 + j));
+      for (int64_t v = 0; v < kQueryVecs; ++v) {
+        const __mmask16 masked = _mm512_cmpgt_epi32_mask(t, lb.pos[v]);
+        s.s[j0 + j][v] = _mm512_mask_blend_ps(
+            masked, _mm512_mul_ps(acc[j][v], _mm512_set1_ps(a.scale)), minus_inf);
+      }
+    }
+  }
+  // online softmax: the new max, the old state's correction, the tile's weights
+  __m512 corr[kQueryVecs];
+  for (int64_t v = 0; v < kQueryVecs; ++v) {
+    __m512 m = lb.top[v];
+    for (int64_t j = 0; j < kKeyTile; ++j) m = _mm512_max_ps(m, s.s[j][v]);
+    const __mmask16 none = _mm512_cmp_ps_mask(m, minus_inf, _CMP_EQ_OQ);
+    const __m512 shift = _mm512_mask_blend_ps(none, m, _mm512_setzero_ps());
+    corr[v] = exp_ps(_mm512_sub_ps(lb.top[v], shift));
+    __m512 add = _mm512_setzero_ps();
+    for (int64_t j = 0; j < kKeyTile; ++j) {
+      s.s[j][v] = exp_ps(_mm512_sub_ps(s.s[j][v], shift));
+      add = _mm512_add_ps(add, s.s[j][v]);
+    }
+    lb.sum[v] = _mm512_fmadd_ps(lb.sum[v], corr[v], add);
+    lb.top[v] = m;
+    for (int64_t j = 0; j < kKeyTile; j += 2) {
+#ifdef __AVX512BF16__
+      s.p[j / 2][v] = bf16_pairs(s.s[j][v], s.s[j + 1][v]);
+#else
+      s.phigh[j / 2][v] = bf16_rounded(s.s[j + 1][v]);
+      s.plow[j / 2][v] = bf16_rounded(s.s[j][v]);
+#endif
+    }
+  }
+  // o = corr o + P V, kValueStep paired dims at a time
+  if (tiles) tile_values(s, lb.o.data(), D, corr);
+  for (int64_t w0 = 0; w0 < D && !tiles; w0 += kValueStep) {
+    __m512 acc[kValueStep][kQueryVecs];
+    for (int64_t w = 0; w < kValueStep; ++w) {
+      for (int64_t v = 0; v < kQueryVecs; ++v) {
+        acc[w][v] = _mm512_mul_ps(lb.o[(w0 + w) * kQueryVecs + v], corr[v]);
+      }
+    }
+    for (int64_t jp = 0; jp < kKeyTile / 2; ++jp) {
+#ifdef __AVX512BF16__
+      const uint32_t* vp = s.vpairs.data() + jp * D + w0;
+      for (int64_t w = 0; w < kValueStep; ++w) {
+        const __m512i vv = _mm512_set1_epi32(static_cast<int>(vp[w]));
+        for (int64_t v = 0; v < kQueryVecs; ++v) {
+          acc[w][v] = dot_pairs(acc[w][v], s.p[jp][v], vv);
+        }
+      }
+#else
+      const float* high = s.vhalves.data() + 2 * jp * D + w0;
+      for (int64_t w = 0; w < kValueStep; ++w) {
+        const __m512 vhigh = _mm512_set1_ps(high[w]), vlow = _mm512_set1_ps(high[D + w]);
+        for (int64_t v = 0; v < kQueryVecs; ++v) {
+          acc[w][v] = _mm512_fmadd_ps(s.plow[jp][v], vlow,
+                                      _mm512_fmadd_ps(s.phigh[jp][v], vhigh, acc[w][v]));
+        }
+      }
+#endif
+    }
+    for (int64_t w = 0; w < kValueStep; ++w) {
+      for (int64_t v = 0; v < kQueryVecs; ++v) lb.o[(w0 + w) * kQueryVecs + v] = acc[w][v];
+    }
+  }
+}
+
+// Item (KV head h, rows [r0, r0 + rows)): blocks of kQueryLanes / group rows, each with its own
+// query lanes and softmax state, over one pass through the keys: a key tile is read, staged and
+// paired once for all the blocks (from a block's last position on, it skips the tiles: what a
+// chunk ending there computes).
 template <typename C>
 void prefill_item(const PrefillArgs<C>& a, int64_t h, int64_t r0, int64_t rows,
                   PrefillScratch& s, const c10::BFloat16* zeros, bool tiles) {
   const int64_t group = a.Hq / a.Hkv, D = a.D, pairs = D / 2, bs = a.block_size;
-  s.qpairs.assign(pairs * kQueryLanes, 0);
-  s.o.assign(D * kQueryVecs, _mm512_setzero_ps());
+  const int64_t per = kQueryLanes / group, nblocks = (rows + per - 1) / per;
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  s.blocks.resize(std::max<int64_t>(nblocks, static_cast<int64_t>(s.blocks.size())));
+  for (int64_t bi = 0; bi < nblocks; ++bi) {
+    LaneBlock& lb = s.blocks[bi];
+    const int64_t b0 = r0 + bi * per, brows = std::min(per, r0 + rows - b0);
+    lb.qpairs.assign(pairs * kQueryLanes, 0);
+    lb.o.assign(D * kQueryVecs, _mm512_setzero_ps());
+    lb.last = a.start + b0 + brows - 1;
+    alignas(64) int32_t pos[kQueryLanes];
+    for (int64_t m = 0; m < kQueryLanes; ++m) {
+      const int64_t r = m / group, g = m % group;
+      pos[m] = r < brows ? static_cast<int32_t>(a.start + b0 + r) : -1;  // -1: every key masked
+      if (r >= brows) continue;
+      const auto* qrow = reinterpret_cast<const uint32_t*>(a.q + (b0 + r) * a.q_row +
+                                                           (h * group + g) * a.q_head);
+      for (int64_t p = 0; p < pairs; ++p) lb.qpairs[p * kQueryLanes + m] = qrow[p];
+    }
+    for (int64_t v = 0; v < kQueryVecs; ++v) {
+      lb.pos[v] = _mm512_load_si512(pos + v * kLanes);
+      lb.top[v] = minus_inf;
+      lb.sum[v] = _mm512_setzero_ps();
+    }
+#ifndef __AVX512BF16__
+    lb.qhalves.resize(pairs * 2 * kQueryLanes);
+    for (int64_t p = 0; p < pairs; ++p) {
+      for (int64_t v = 0; v < kQueryVecs; ++v) {
+        const __m512i x = _mm512_loadu_si512(lb.qpairs.data() + p * kQueryLanes + v * kLanes);
+        float* dst = lb.qhalves.data() + 2 * p * kQueryLanes + v * kLanes;
+        _mm512_storeu_ps(dst, high_halves(x));
+        _mm512_storeu_ps(dst + kQueryLanes, low_halves(x));
+      }
+    }
+#endif
+  }
   s.kstage.resize(kKeyTile * D);
   s.vstage.resize(kKeyTile * D);
   if (tiles) s.ktile.resize(kKeyTile * D);
-  alignas(64) int32_t pos[kQueryLanes];
-  for (int64_t m = 0; m < kQueryLanes; ++m) {
-    const int64_t r = m / group, g = m % group;
-    pos[m] = r < rows ? static_cast<int32_t>(a.start + r0 + r) : -1;  // -1: every key masked
-    if (r >= rows) continue;
-    const auto* qrow = reinterpret_cast<const uint32_t*>(a.q + (r0 + r) * a.q_row +
-                                                         (h * group + g) * a.q_head);
-    for (int64_t p = 0; p < pairs; ++p) s.qpairs[p * kQueryLanes + m] = qrow[p];
-  }
 #ifdef __AVX512BF16__
   s.vpairs.resize(kKeyTile / 2 * D);
 #else
-  s.qhalves.resize(pairs * 2 * kQueryLanes);
   s.keys.resize(kKeyTile * D);
   s.vhalves.resize(kKeyTile * D);
-  for (int64_t p = 0; p < pairs; ++p) {
-    for (int64_t v = 0; v < kQueryVecs; ++v) {
-      const __m512i x = _mm512_loadu_si512(s.qpairs.data() + p * kQueryLanes + v * kLanes);
-      float* dst = s.qhalves.data() + 2 * p * kQueryLanes + v * kLanes;
-      _mm512_storeu_ps(dst, high_halves(x));
-      _mm512_storeu_ps(dst + kQueryLanes, low_halves(x));
-    }
-  }
 #endif
-  __m512i posv[kQueryVecs];
-  __m512 top[kQueryVecs], sum[kQueryVecs];
-  for (int64_t v = 0; v < kQueryVecs; ++v) {
-    posv[v] = _mm512_load_si512(pos + v * kLanes);
-    top[v] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    sum[v] = _mm512_setzero_ps();
-  }
-  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const int64_t last = a.start + r0 + rows - 1;  // the last position any row attends
   const c10::BFloat16 *krow[kKeyTile], *vrow[kKeyTile];
   for (int64_t t0 = 0; t0 <= last; t0 += kKeyTile) {
@@ -278,79 +419,6 @@ void prefill_item(const PrefillArgs<C>& a, int64_t h, int64_t r0, int64_t rows,
 #ifndef __AVX512BF16__
       for (int64_t c = 0; c < D; c += kLanes) _mm512_storeu_ps(&s.keys[j * D + c], load16(krow[j] + c));
 #endif
-    }
-    // scores s[j][v] = scale q . k_j, -inf past the lane's position
-    if (tiles) {
-      tile_scores(s, D);
-      for (int64_t j = 0; j < kKeyTile; ++j) {
-        const __m512i t = _mm512_set1_epi32(static_cast<int>(t0 + j));
-        for (int64_t v = 0; v < kQueryVecs; ++v) {
-          const __mmask16 masked = _mm512_cmpgt_epi32_mask(t, posv[v]);
-          s.s[j][v] = _mm512_mask_blend_ps(masked, _mm512_mul_ps(s.s[j][v], _mm512_set1_ps(a.scale)), minus_inf);
-        }
-      }
-    }
-    for (int64_t j0 = 0; j0 < kKeyTile && !tiles; j0 += kKeyStep) {
-      __m512 acc[kKeyStep][kQueryVecs];
-      for (auto& row : acc) for (auto& x : row) x = _mm512_setzero_ps();
-      for (int64_t p = 0; p < pairs; ++p) {
-#ifdef __AVX512BF16__
-        __m512i qv[kQueryVecs];
-        for (int64_t v = 0; v < kQueryVecs; ++v) {
-          qv[v] = _mm512_loadu_si512(s.qpairs.data() + p * kQueryLanes + v * kLanes);
-        }
-        for (int64_t j = 0; j < kKeyStep; ++j) {
-          const __m512i kp = _mm512_set1_epi32(
-              static_cast<int>(reinterpret_cast<const uint32_t*>(krow[j0 + j])[p]));
-          for (int64_t v = 0; v < kQueryVecs; ++v) acc[j][v] = dot_pairs(acc[j][v], qv[v], kp);
-        }
-#else
-        __m512 high[kQueryVecs], low[kQueryVecs];
-        for (int64_t v = 0; v < kQueryVecs; ++v) {
-          high[v] = _mm512_loadu_ps(s.qhalves.data() + 2 * p * kQueryLanes + v * kLanes);
-          low[v] = _mm512_loadu_ps(s.qhalves.data() + (2 * p + 1) * kQueryLanes + v * kLanes);
-        }
-        for (int64_t j = 0; j < kKeyStep; ++j) {
-          const float* k = s.keys.data() + (j0 + j) * D + 2 * p;
-          const __m512 khigh = _mm512_set1_ps(k[1]), klow = _mm512_set1_ps(k[0]);
-          for (int64_t v = 0; v < kQueryVecs; ++v) {
-            acc[j][v] = _mm512_fmadd_ps(low[v], klow, _mm512_fmadd_ps(high[v], khigh, acc[j][v]));
-          }
-        }
-#endif
-      }
-      for (int64_t j = 0; j < kKeyStep; ++j) {
-        const __m512i t = _mm512_set1_epi32(static_cast<int>(t0 + j0 + j));
-        for (int64_t v = 0; v < kQueryVecs; ++v) {
-          const __mmask16 masked = _mm512_cmpgt_epi32_mask(t, posv[v]);
-          s.s[j0 + j][v] = _mm512_mask_blend_ps(
-              masked, _mm512_mul_ps(acc[j][v], _mm512_set1_ps(a.scale)), minus_inf);
-        }
-      }
-    }
-    // online softmax: the new max, the old state's correction, the tile's weights
-    __m512 corr[kQueryVecs];
-    for (int64_t v = 0; v < kQueryVecs; ++v) {
-      __m512 m = top[v];
-      for (int64_t j = 0; j < kKeyTile; ++j) m = _mm512_max_ps(m, s.s[j][v]);
-      const __mmask16 none = _mm512_cmp_ps_mask(m, minus_inf, _CMP_EQ_OQ);
-      const __m512 shift = _mm512_mask_blend_ps(none, m, _mm512_setzero_ps());
-      corr[v] = exp_ps(_mm512_sub_ps(top[v], shift));
-      __m512 add = _mm512_setzero_ps();
-      for (int64_t j = 0; j < kKeyTile; ++j) {
-        s.s[j][v] = exp_ps(_mm512_sub_ps(s.s[j][v], shift));
-        add = _mm512_add_ps(add, s.s[j][v]);
-      }
-      sum[v] = _mm512_fmadd_ps(sum[v], corr[v], add);
-      top[v] = m;
-      for (int64_t j = 0; j < kKeyTile; j += 2) {
-#ifdef __AVX512BF16__
-        s.p[j / 2][v] = bf16_pairs(s.s[j][v], s.s[j + 1][v]);
-#else
-        s.phigh[j / 2][v] = bf16_rounded(s.s[j + 1][v]);
-        s.plow[j / 2][v] = bf16_rounded(s.s[j][v]);
-#endif
-      }
     }
     // values of keys (2j, 2j + 1) interleaved, 32 dims at a time
     for (int64_t j = 0; j < kKeyTile; j += 2) {
@@ -370,50 +438,27 @@ void prefill_item(const PrefillArgs<C>& a, int64_t h, int64_t r0, int64_t rows,
 #endif
       }
     }
-    // o = corr o + P V, kValueStep paired dims at a time
-    if (tiles) tile_values(s, D, corr);
-    for (int64_t w0 = 0; w0 < D && !tiles; w0 += kValueStep) {
-      __m512 acc[kValueStep][kQueryVecs];
-      for (int64_t w = 0; w < kValueStep; ++w) {
-        for (int64_t v = 0; v < kQueryVecs; ++v) {
-          acc[w][v] = _mm512_mul_ps(s.o[(w0 + w) * kQueryVecs + v], corr[v]);
-        }
-      }
-      for (int64_t jp = 0; jp < kKeyTile / 2; ++jp) {
-#ifdef __AVX512BF16__
-        const uint32_t* vp = s.vpairs.data() + jp * D + w0;
-        for (int64_t w = 0; w < kValueStep; ++w) {
-          const __m512i vv = _mm512_set1_epi32(static_cast<int>(vp[w]));
-          for (int64_t v = 0; v < kQueryVecs; ++v) {
-            acc[w][v] = dot_pairs(acc[w][v], s.p[jp][v], vv);
-          }
-        }
-#else
-        const float* high = s.vhalves.data() + 2 * jp * D + w0;
-        for (int64_t w = 0; w < kValueStep; ++w) {
-          const __m512 vhigh = _mm512_set1_ps(high[w]), vlow = _mm512_set1_ps(high[D + w]);
-          for (int64_t v = 0; v < kQueryVecs; ++v) {
-            acc[w][v] = _mm512_fmadd_ps(s.plow[jp][v], vlow,
-                                        _mm512_fmadd_ps(s.phigh[jp][v], vhigh, acc[w][v]));
-          }
-        }
-#endif
-      }
-      for (int64_t w = 0; w < kValueStep; ++w) {
-        for (int64_t v = 0; v < kQueryVecs; ++v) s.o[(w0 + w) * kQueryVecs + v] = acc[w][v];
-      }
+    if (tiles) transpose_values(s, D);
+    for (int64_t bi = 0; bi < nblocks; ++bi) {
+      LaneBlock& lb = s.blocks[bi];
+      if (t0 > lb.last) continue;
+      attend_tile(a, s, lb, t0, krow, tiles);
     }
   }
   s.rows.resize(D * kQueryLanes);
-  for (int64_t w = 0; w < D; ++w) {
-    for (int64_t v = 0; v < kQueryVecs; ++v) {
-      _mm512_storeu_ps(s.rows.data() + paired_dim(w) * kQueryLanes + v * kLanes,
-                       _mm512_div_ps(s.o[w * kQueryVecs + v], sum[v]));
+  for (int64_t bi = 0; bi < nblocks; ++bi) {
+    LaneBlock& lb = s.blocks[bi];
+    for (int64_t w = 0; w < D; ++w) {
+      for (int64_t v = 0; v < kQueryVecs; ++v) {
+        _mm512_storeu_ps(s.rows.data() + paired_dim(w) * kQueryLanes + v * kLanes,
+                         _mm512_div_ps(lb.o[w * kQueryVecs + v], lb.sum[v]));
+      }
     }
-  }
-  for (int64_t m = 0; m < rows * group; ++m) {
-    c10::BFloat16* orow = a.out + ((r0 + m / group) * a.Hq + h * group + m % group) * D;
-    for (int64_t d = 0; d < D; ++d) orow[d] = c10::BFloat16(s.rows[d * kQueryLanes + m]);
+    const int64_t b0 = r0 + bi * per, brows = std::min(per, r0 + rows - b0);
+    for (int64_t m = 0; m < brows * group; ++m) {
+      c10::BFloat16* orow = a.out + ((b0 + m / group) * a.Hq + h * group + m % group) * D;
+      for (int64_t d = 0; d < D; ++d) orow[d] = c10::BFloat16(s.rows[d * kQueryLanes + m]);
+    }
   }
 }
 
@@ -444,7 +489,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor key_cache,
                       "prefill_attention: block id out of range");
   }
   auto out = torch::empty({T, Hq, D}, q.options());
-  const int64_t rows = std::max<int64_t>(1, kQueryLanes / (Hq / Hkv));
+  const int64_t rows = kLaneBlocks * std::max<int64_t>(1, kQueryLanes / (Hq / Hkv));
   const int64_t tiles = (T + rows - 1) / rows;
   const std::vector<c10::BFloat16> zeros(D, c10::BFloat16(0.0f));
   auto run = [&](auto element) {
