@@ -5,10 +5,11 @@
 //
 // Flash attention's online softmax over tiles of kKeyTile keys, in bf16 dot products (vdpbf16ps)
 // for both Q K^T and P V, the weights P rounded to bf16 as PyTorch's flash attention rounds them
-// for bf16 inputs. An item is one KV head and up to kQueryLanes query vectors (rows x the head's
-// group of query heads); the lanes of a register run over those queries, so each key's score is
-// one vector, the softmax's max and sum are vertical, and a key's K pair is one broadcast. Keys
-// stream from the cache rows as they lie; V is paired (two keys' values interleaved) per tile.
+// for bf16 inputs. A lane block is up to kQueryLanes query vectors of one KV head (rows x the
+// head's group of query heads); the lanes of a register run over those queries, so each key's
+// score is one vector, the softmax's max and sum are vertical, and a key's K pair is one
+// broadcast. An item is up to kLaneBlocks lane blocks: each key tile is read from the cache rows
+// as they lie and V paired (two keys' values interleaved) once for all of them.
 //
 // The same bits whole or in chunks: key tiles start at position 0 whatever chunk a row arrives
 // in, each query lane's arithmetic is its own, and a tile wholly past a row's position leaves the
