@@ -39,7 +39,7 @@ constexpr int64_t kQueryVecs = 3;                      // query vectors (of kLan
 constexpr int64_t kQueryLanes = kQueryVecs * kLanes;  // 48 queries
 constexpr int64_t kKeyStep = 8;                        // keys per Q K^T register tile
 constexpr int64_t kValueStep = 8;                      // value pairs per P V register tile
-constexpr int64_t kLaneBlocks = 4;  // blocks of kQueryLanes per item: each key tile read once for them
+constexpr int64_t kLaneBlocks = 8;  // blocks of kQueryLanes per item at most (prefill_attention)
 
 template <typename C>  // the cache's element: c10::BFloat16, or uint8_t for fp8_e4m3 bytes
 struct PrefillArgs {
@@ -490,7 +490,10 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor key_cache,
                       "prefill_attention: block id out of range");
   }
   auto out = torch::empty({T, Hq, D}, q.options());
-  const int64_t rows = kLaneBlocks * std::max<int64_t>(1, kQueryLanes / (Hq / Hkv));
+  // items of up to kLaneBlocks lane blocks (each key tile read once an item), as many as leave
+  // each thread 4 items to share out
+  const int64_t per = std::max<int64_t>(1, kQueryLanes / (Hq / Hkv)), blocks = (T + per - 1) / per;
+  const int64_t rows = per * std::clamp<int64_t>(blocks * Hkv / (4 * at::get_num_threads()), 1, kLaneBlocks);
   const int64_t tiles = (T + rows - 1) / rows;
   const std::vector<c10::BFloat16> zeros(D, c10::BFloat16(0.0f));
   auto run = [&](auto element) {
