@@ -1365,7 +1365,6 @@ bool amx_group(const QuantizedActivations& a, int64_t M, const uint8_t* W, int64
   return true;
 }
 
-bool amx_int8() { return amx_permitted(); }
 #else
 constexpr int64_t kAmxQuantRows = 0;
 template <int BITS> void load_quant_tiles() {}
@@ -1373,7 +1372,6 @@ template <int BITS, int C, typename T>
 bool amx_group(const QuantizedActivations&, int64_t, const uint8_t*, int64_t, const float*, T*, int64_t, int64_t, int) {
   return false;
 }
-bool amx_int8() { return false; }
 #endif
 
 // Outputs [32 u0, 32 u1) for every row, in units of half a group (two column blocks): a whole group
@@ -1382,7 +1380,7 @@ bool amx_int8() { return false; }
 template <int BITS, bool PREFETCH, typename T>
 void quant_units_with(const QuantizedActivations& a, int64_t M, const uint8_t* W, int64_t KB,
                       const float* bias, T* y, int64_t N, int64_t u0, int64_t u1) {
-  const bool amx = kAmxQuantRows > 0 && M >= kAmxQuantRows && amx_int8();
+  const bool amx = kAmxQuantRows > 0 && M >= kAmxQuantRows && amx_permitted();
   if (amx) load_quant_tiles<BITS>();
   for (int64_t u = u0; u < u1;) {
     if (u % 2 == 0 && u + 2 <= u1) {
