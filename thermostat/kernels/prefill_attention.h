@@ -1,9 +1,11 @@
 // Paged prefill attention (the AVX-512 build): a chunk of one sequence's new tokens, the rows at
 // positions start .. start + T - 1, attends causally to the sequence's context, read in place
 // through its block table (no gather, no mask tensor). cpu_kernels.cpp includes this after its
-// helpers (kLanes, exp_ps) and common.h's parallel_pieces.
+// helpers (kLanes, round_pairs) and common.h's parallel_pieces.
 //
-// Flash attention's online softmax over tiles of kKeyTile keys, in bf16 dot products (vdpbf16ps)
+// Flash attention's online softmax over tiles of kKeyTile keys (in base 2: the scale times log2 e
+// folded into one fused step per score, the mask only on tiles that cross a row's position),
+// in bf16 dot products (vdpbf16ps)
 // for both Q K^T and P V, the weights P rounded to bf16 as PyTorch's flash attention rounds them
 // for bf16 inputs. A lane block is up to kQueryLanes query vectors of one KV head (rows x the
 // head's group of query heads); the lanes of a register run over those queries, so each key's
@@ -60,15 +62,16 @@ struct LaneBlock {
   std::vector<__m512> o;         // [D][kQueryVecs], dims in the paired order (paired_dim)
   std::vector<float> qhalves;    // without AVX512-BF16: [D / 2][2][kQueryLanes], dims 2p + 1, 2p
   __m512i pos[kQueryVecs];       // each lane's position (-1: no query, every key masked)
-  __m512 top[kQueryVecs], sum[kQueryVecs];
-  int64_t last;                  // the last position any of its rows attends
+  __m512 top[kQueryVecs], sum[kQueryVecs];  // top: the max of scale log2(e) q . k so far
+  int64_t first, last;           // its first row's position, the last position any row attends
 };
+
+using Scores = __m512[kKeyTile][kQueryVecs];  // [key][query vector]
 
 struct PrefillScratch {
   std::vector<LaneBlock> blocks;
-  std::vector<float> rows;           // [D][kQueryLanes]: the output before it is scattered
   std::vector<c10::BFloat16> kstage, vstage;  // [kKeyTile][D]: an fp8 tile's rows in bf16
-  __m512 s[kKeyTile][kQueryVecs];    // scores, then weights
+  Scores s;                          // scores, then weights
   // AMX tiles' operands: the tile's keys [kKeyTile][D] (krow's rows, contiguous), vpairs
   // transposed [D / 16][16 dims][kKeyTile / 2], a product tile [16][16]
   std::vector<c10::BFloat16> ktile;
@@ -83,6 +86,23 @@ struct PrefillScratch {
   __m512 phigh[kKeyTile / 2][kQueryVecs], plow[kKeyTile / 2][kQueryVecs];  // keys 2j + 1, 2j
 #endif
 };
+
+// 2^t for the softmax's finite t <= 0 (and the max's own rounding above it), exactly 1 at 0:
+// 2^f for f = t - floor t in [0, 1) by a degree-4 polynomial (relative error 3e-6, fit with its
+// constant term 1; the weights are rounded to bf16 after), times 2^floor t (vscalefps floors).
+// exp2_masked also takes -inf, to 0.
+inline __m512 exp2_weights(__m512 t) {
+  const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_set1_ps(1.342668477e-02f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.224247277e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.412801981e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.930448413e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, t);
+}
+inline __m512 exp2_masked(__m512 t) {
+  return exp2_weights(_mm512_max_ps(t, _mm512_set1_ps(-160.0f)));
+}
 
 #ifndef __AVX512BF16__
 inline __m512 bf16_rounded(__m512 x) {  // x rounded to bf16 as round_pairs rounds it, a float
@@ -119,7 +139,6 @@ inline const c10::BFloat16* bf16_row(const uint8_t* cache, const float* scales, 
   return stage;
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 // 16 rows of 16 dwords (r) -> out, their transpose: unpacks pair, then quad, the rows' dwords in
 // each 128-bit lane, then 128-bit lanes move across the four registers that hold a column.
 inline void transpose16(const __m512i (&r)[16], __m512i (&out)[16]) {
@@ -146,12 +165,13 @@ inline void transpose16(const __m512i (&r)[16], __m512i (&out)[16]) {
   }
 }
 
-// The tile's scores on AMX: s.s[j][v] = q_v . k_j (TDPBF16PS over D, 32 dims a step) for its
-// 32 keys (s.ktile) and a block's 48 query lanes (q: its qpairs, the B operand as they lie): C tiles 0-5
-// (key block b, query vector v: tile 3 b + v), A tile 6, B tile 7; stored into s.s in place.
-inline void tile_scores(PrefillScratch& s, const uint32_t* q, int64_t D) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// The tile's scores on AMX: sc[j][v] = q_v . k_j (TDPBF16PS over D, 32 dims a step) for its
+// 32 keys (k: s.ktile) and a block's 48 query lanes (q: its qpairs, the B operand as they lie):
+// C tiles 0-5 (key block b, query vector v: tile 3 b + v), A tile 6, B tile 7; store_products
+// stores them into sc.
+inline void tile_products(const uint32_t* q, int64_t D, const c10::BFloat16* k) {
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); _tile_zero(4); _tile_zero(5);
-  const c10::BFloat16* k = s.ktile.data();
   for (int64_t d0 = 0; d0 < D; d0 += 32) {
     const uint32_t* qd = q + (d0 / 2) * kQueryLanes;
     _tile_loadd(6, k + d0, D * 2);
@@ -169,8 +189,11 @@ inline void tile_scores(PrefillScratch& s, const uint32_t* q, int64_t D) {
     _tile_loadd(7, qd + 2 * kLanes, kQueryLanes * 4);
     _tile_dpbf16ps(5, 6, 7);
   }
-  constexpr int64_t row = kQueryVecs * 64;  // bytes between keys in s.s
-  auto* out = reinterpret_cast<char*>(&s.s[0][0]);
+}
+
+inline void store_products(Scores& sc) {
+  constexpr int64_t row = kQueryVecs * 64;  // bytes between keys in sc
+  auto* out = reinterpret_cast<char*>(&sc[0][0]);
   _tile_stored(0, out, row);
   _tile_stored(1, out + 64, row);
   _tile_stored(2, out + 128, row);
@@ -235,30 +258,20 @@ inline void tile_values(PrefillScratch& s, __m512* o, int64_t D, const __m512 (&
 #else
 inline bool attention_tiles() { return false; }
 inline void release_attention_tiles() {}
-inline void tile_scores(PrefillScratch&, const uint32_t*, int64_t) {}
+inline void tile_products(const uint32_t*, int64_t, const c10::BFloat16*) {}
+inline void store_products(Scores&) {}
 inline void transpose_values(PrefillScratch&, int64_t) {}
 template <typename V>
 inline void tile_values(PrefillScratch&, __m512*, int64_t, const V&) {}
 #endif
 
-// One lane block against the key tile at t0 (staged: krow, s.ktile, s.vpairs / vtiles, or the
-// float copies without AVX512-BF16): its scores, the online softmax's step, o = corr o + P V.
+// One lane block's scores q . k_j against the staged key tile (krow, s.ktile, or the float
+// copies without AVX512-BF16): into sc, or on AMX into C tiles 0-5 (store_products).
 template <typename C>
-void attend_tile(const PrefillArgs<C>& a, PrefillScratch& s, LaneBlock& lb, int64_t t0,
-                 const c10::BFloat16* const* krow, bool tiles) {
+void block_scores(const PrefillArgs<C>& a, PrefillScratch& s, const LaneBlock& lb,
+                  const c10::BFloat16* const* krow, bool tiles, Scores& sc) {
   const int64_t D = a.D, pairs = D / 2;
-  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  // scores s[j][v] = scale q . k_j, -inf past the lane's position
-  if (tiles) {
-    tile_scores(s, lb.qpairs.data(), D);
-    for (int64_t j = 0; j < kKeyTile; ++j) {
-      const __m512i t = _mm512_set1_epi32(static_cast<int>(t0 + j));
-      for (int64_t v = 0; v < kQueryVecs; ++v) {
-        const __mmask16 masked = _mm512_cmpgt_epi32_mask(t, lb.pos[v]);
-        s.s[j][v] = _mm512_mask_blend_ps(masked, _mm512_mul_ps(s.s[j][v], _mm512_set1_ps(a.scale)), minus_inf);
-      }
-    }
-  }
+  if (tiles) tile_products(lb.qpairs.data(), D, s.ktile.data());
   for (int64_t j0 = 0; j0 < kKeyTile && !tiles; j0 += kKeyStep) {
     __m512 acc[kKeyStep][kQueryVecs];
     for (auto& row : acc) for (auto& x : row) x = _mm512_setzero_ps();
@@ -289,39 +302,57 @@ void attend_tile(const PrefillArgs<C>& a, PrefillScratch& s, LaneBlock& lb, int6
 #endif
     }
     for (int64_t j = 0; j < kKeyStep; ++j) {
-      const __m512i t = _mm512_set1_epi32(static_cast<int>(t0 + j0 + j));
-      for (int64_t v = 0; v < kQueryVecs; ++v) {
-        const __mmask16 masked = _mm512_cmpgt_epi32_mask(t, lb.pos[v]);
-        s.s[j0 + j][v] = _mm512_mask_blend_ps(
-            masked, _mm512_mul_ps(acc[j][v], _mm512_set1_ps(a.scale)), minus_inf);
-      }
+      for (int64_t v = 0; v < kQueryVecs; ++v) sc[j0 + j][v] = acc[j][v];
     }
   }
-  // online softmax: the new max, the old state's correction, the tile's weights
-  __m512 corr[kQueryVecs];
+}
+
+// The block's online softmax step over its scores sc of the key tile at t0: -inf past each
+// lane's position (no lane's is before the block's first row: only a tile past it masks), in base
+// 2 (c = scale log2 e) the new max of c s, the old state's correction `corr`, the tile's weights
+// 2^(c s - max) (c s - max in one rounding) into s.p.
+inline void softmax_step(float scale, PrefillScratch& s, LaneBlock& lb, int64_t t0, Scores& sc,
+                         __m512 (&corr)[kQueryVecs]) {
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const bool masks = t0 + kKeyTile - 1 > lb.first;
+  for (int64_t j = 0; j < kKeyTile && masks; ++j) {
+    const __m512i t = _mm512_set1_epi32(static_cast<int>(t0 + j));
+    for (int64_t v = 0; v < kQueryVecs; ++v) {
+      sc[j][v] = _mm512_mask_blend_ps(_mm512_cmpgt_epi32_mask(t, lb.pos[v]), sc[j][v], minus_inf);
+    }
+  }
+  const __m512 c = _mm512_set1_ps(scale * 1.44269504088896341f);
   for (int64_t v = 0; v < kQueryVecs; ++v) {
-    __m512 m = lb.top[v];
-    for (int64_t j = 0; j < kKeyTile; ++j) m = _mm512_max_ps(m, s.s[j][v]);
+    __m512 m = minus_inf;
+    for (int64_t j = 0; j < kKeyTile; ++j) m = _mm512_max_ps(m, sc[j][v]);
+    m = _mm512_max_ps(lb.top[v], _mm512_mul_ps(m, c));  // c > 0: the max of the products
     const __mmask16 none = _mm512_cmp_ps_mask(m, minus_inf, _CMP_EQ_OQ);
     const __m512 shift = _mm512_mask_blend_ps(none, m, _mm512_setzero_ps());
-    corr[v] = exp_ps(_mm512_sub_ps(lb.top[v], shift));
+    corr[v] = exp2_masked(_mm512_sub_ps(lb.top[v], shift));  // exactly 1 where m held
+    const __m512 minus_shift = _mm512_sub_ps(_mm512_setzero_ps(), shift);
     __m512 add = _mm512_setzero_ps();
     for (int64_t j = 0; j < kKeyTile; ++j) {
-      s.s[j][v] = exp_ps(_mm512_sub_ps(s.s[j][v], shift));
-      add = _mm512_add_ps(add, s.s[j][v]);
+      const __m512 t = _mm512_fmadd_ps(sc[j][v], c, minus_shift);
+      sc[j][v] = masks ? exp2_masked(t) : exp2_weights(t);
+      add = _mm512_add_ps(add, sc[j][v]);
     }
     lb.sum[v] = _mm512_fmadd_ps(lb.sum[v], corr[v], add);
     lb.top[v] = m;
     for (int64_t j = 0; j < kKeyTile; j += 2) {
 #ifdef __AVX512BF16__
-      s.p[j / 2][v] = bf16_pairs(s.s[j][v], s.s[j + 1][v]);
+      s.p[j / 2][v] = bf16_pairs(sc[j][v], sc[j + 1][v]);
 #else
-      s.phigh[j / 2][v] = bf16_rounded(s.s[j + 1][v]);
-      s.plow[j / 2][v] = bf16_rounded(s.s[j][v]);
+      s.phigh[j / 2][v] = bf16_rounded(sc[j + 1][v]);
+      s.plow[j / 2][v] = bf16_rounded(sc[j][v]);
 #endif
     }
   }
-  // o = corr o + P V, kValueStep paired dims at a time
+}
+
+// o = corr o + P V for the block (staged: s.vpairs / vtiles, or the float copies without
+// AVX512-BF16), kValueStep paired dims at a time.
+inline void values_step(PrefillScratch& s, LaneBlock& lb, int64_t D, bool tiles,
+                        const __m512 (&corr)[kQueryVecs]) {
   if (tiles) tile_values(s, lb.o.data(), D, corr);
   for (int64_t w0 = 0; w0 < D && !tiles; w0 += kValueStep) {
     __m512 acc[kValueStep][kQueryVecs];
@@ -370,17 +401,31 @@ void prefill_item(const PrefillArgs<C>& a, int64_t h, int64_t r0, int64_t rows,
   for (int64_t bi = 0; bi < nblocks; ++bi) {
     LaneBlock& lb = s.blocks[bi];
     const int64_t b0 = r0 + bi * per, brows = std::min(per, r0 + rows - b0);
-    lb.qpairs.assign(pairs * kQueryLanes, 0);
+    lb.qpairs.resize(pairs * kQueryLanes);
     lb.o.assign(D * kQueryVecs, _mm512_setzero_ps());
+    lb.first = a.start + b0;
     lb.last = a.start + b0 + brows - 1;
     alignas(64) int32_t pos[kQueryLanes];
     for (int64_t m = 0; m < kQueryLanes; ++m) {
-      const int64_t r = m / group, g = m % group;
-      pos[m] = r < brows ? static_cast<int32_t>(a.start + b0 + r) : -1;  // -1: every key masked
-      if (r >= brows) continue;
-      const auto* qrow = reinterpret_cast<const uint32_t*>(a.q + (b0 + r) * a.q_row +
-                                                           (h * group + g) * a.q_head);
-      for (int64_t p = 0; p < pairs; ++p) lb.qpairs[p * kQueryLanes + m] = qrow[p];
+      pos[m] = m / group < brows ? static_cast<int32_t>(a.start + b0 + m / group) : -1;  // -1: every key masked
+    }
+    // lane m's query (row m / group, head h group + m % group; zero past the rows), 16 lanes x
+    // 16 dim pairs transposed at a time
+    for (int64_t v = 0; v < kQueryVecs; ++v) {
+      for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+        __m512i r[16], t[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t m = v * kLanes + i;
+          r[i] = m / group < brows
+                     ? _mm512_loadu_si512(a.q + (b0 + m / group) * a.q_row +
+                                          (h * group + m % group) * a.q_head + 2 * p0)
+                     : _mm512_setzero_si512();
+        }
+        transpose16(r, t);
+        for (int64_t i = 0; i < 16; ++i) {
+          _mm512_storeu_si512(lb.qpairs.data() + (p0 + i) * kQueryLanes + v * kLanes, t[i]);
+        }
+      }
     }
     for (int64_t v = 0; v < kQueryVecs; ++v) {
       lb.pos[v] = _mm512_load_si512(pos + v * kLanes);
@@ -443,22 +488,39 @@ void prefill_item(const PrefillArgs<C>& a, int64_t h, int64_t r0, int64_t rows,
     for (int64_t bi = 0; bi < nblocks; ++bi) {
       LaneBlock& lb = s.blocks[bi];
       if (t0 > lb.last) continue;
-      attend_tile(a, s, lb, t0, krow, tiles);
+      __m512 corr[kQueryVecs];
+      block_scores(a, s, lb, krow, tiles, s.s);
+      if (tiles) store_products(s.s);
+      softmax_step(a.scale, s, lb, t0, s.s, corr);
+      values_step(s, lb, D, tiles, corr);
     }
   }
-  s.rows.resize(D * kQueryLanes);
+  // each lane's o / sum into its output row: 16 lanes x 32 (paired-order) dims transposed at a
+  // time, rounded to bf16 and put in dimension order
+  static const __m512i dims = [] {
+    alignas(64) int16_t order[32];
+    for (int w = 0; w < 32; ++w) order[paired_dim(w)] = static_cast<int16_t>(w);
+    return _mm512_load_si512(order);
+  }();
   for (int64_t bi = 0; bi < nblocks; ++bi) {
     LaneBlock& lb = s.blocks[bi];
-    for (int64_t w = 0; w < D; ++w) {
-      for (int64_t v = 0; v < kQueryVecs; ++v) {
-        _mm512_storeu_ps(s.rows.data() + paired_dim(w) * kQueryLanes + v * kLanes,
-                         _mm512_div_ps(lb.o[w * kQueryVecs + v], lb.sum[v]));
-      }
-    }
     const int64_t b0 = r0 + bi * per, brows = std::min(per, r0 + rows - b0);
-    for (int64_t m = 0; m < brows * group; ++m) {
-      c10::BFloat16* orow = a.out + ((b0 + m / group) * a.Hq + h * group + m % group) * D;
-      for (int64_t d = 0; d < D; ++d) orow[d] = c10::BFloat16(s.rows[d * kQueryLanes + m]);
+    for (int64_t v = 0; v < kQueryVecs && v * kLanes < brows * group; ++v) {
+      for (int64_t w0 = 0; w0 < D; w0 += 32) {
+        __m512i first[16], second[16], tf[16], ts[16];  // paired-order dims w0 + i, w0 + 16 + i
+        for (int64_t i = 0; i < 16; ++i) {
+          first[i] = _mm512_castps_si512(_mm512_div_ps(lb.o[(w0 + i) * kQueryVecs + v], lb.sum[v]));
+          second[i] = _mm512_castps_si512(_mm512_div_ps(lb.o[(w0 + 16 + i) * kQueryVecs + v], lb.sum[v]));
+        }
+        transpose16(first, tf);
+        transpose16(second, ts);
+        for (int64_t i = 0; i < 16 && v * kLanes + i < brows * group; ++i) {
+          const int64_t m = v * kLanes + i;
+          c10::BFloat16* orow = a.out + ((b0 + m / group) * a.Hq + h * group + m % group) * D;
+          const __m512i words = round_pairs(_mm512_castsi512_ps(ts[i]), _mm512_castsi512_ps(tf[i]));
+          _mm512_storeu_si512(orow + w0, _mm512_permutexvar_epi16(dims, words));
+        }
+      }
     }
   }
 }
@@ -482,6 +544,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor key_cache,
                     "prefill_attention: head_dim must be a multiple of 32, the group at most 48");
   TORCH_CHECK_VALUE(table.dim() == 1 && table.is_contiguous() && table.scalar_type() == at::kLong,
                     "prefill_attention: table must be [nb] int64");
+  TORCH_CHECK_VALUE(scale > 0, "prefill_attention: scale must be positive");
   TORCH_CHECK_VALUE(start >= 0 && start + T <= table.size(0) * bs,
                     "prefill_attention: the rows lie outside the block table");
   const int64_t* tp = table.data_ptr<int64_t>();
