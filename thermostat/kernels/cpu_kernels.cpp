@@ -876,11 +876,16 @@ inline void write_c_tile(int t, int64_t M, int64_t m0, int64_t N, int64_t n0, co
   }
 }
 
-// x padded to a multiple of 32 rows; slabs of 32 rows (16 when the slab has no more)
+// x padded to a multiple of 32 rows; slabs of 32 rows (16 when the slab has no more). Units of
+// 32 columns go by in chunks of about kAmxChunkBytes of weights, every slab through a chunk before
+// the next: a chunk stays in L2 while the slabs pass (all of W per slab does not, at 1.5 MB and
+// up), each weight read from memory once a call.
+constexpr int64_t kAmxChunkBytes = 256 * 1024;
 void linear_amx(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, int64_t NB,
                 int64_t KS, const float* bias, c10::BFloat16* y, int64_t N) {
-  const int64_t slabs = (M + kAmxRows - 1) / kAmxRows;
-  parallel_pieces(slabs * (NB / 2), 8, [&](int64_t b, int64_t e) {
+  const int64_t slabs = (M + kAmxRows - 1) / kAmxRows, units = NB / 2;
+  const int64_t chunk = std::max<int64_t>(2, kAmxChunkBytes / (64 * Kp)) / 2 * 2;  // even: quads
+  parallel_pieces(slabs * units, 8, [&](int64_t b, int64_t e) {
     TileConfig cfg;
     for (int t = 0; t < 8; ++t) {
       cfg.rows[t] = 16;
@@ -888,7 +893,8 @@ void linear_amx(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, int
     }
     load_tile_config(cfg);
     for (int64_t i = b; i < e; ++i) {
-      const int64_t slab = i / (NB / 2), unit = i % (NB / 2);
+      const int64_t c0 = i / (slabs * chunk) * chunk, width = std::min(chunk, units - c0);
+      const int64_t at = i - c0 * slabs, slab = at / width, unit = c0 + at % width;
       const int64_t m0 = slab * kAmxRows, rows = std::min<int64_t>(kAmxRows, M - m0);
       const uint16_t* xs = x + m0 * Kp;
       c10::BFloat16* ys = y + m0 * N;
