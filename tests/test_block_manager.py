@@ -132,11 +132,24 @@ def test_allocate_free_round_trip() -> None:
     assert bm.block_table("a") == []
     assert bm.num_free_blocks == 8
     assert bm.usage == 0.0
-    # Freed blocks go to the end of the queue, tail first.
-    assert free_order(bm) == [3, 4, 5, 6, 7, 2, 1, 0]
+    # Freed blocks that cache nothing are handed out next (their pages are already written).
+    assert free_order(bm) == [0, 1, 2, 3, 4, 5, 6, 7]
     bm.check_integrity()
     bm.free("a")  # unknown / already freed: no-op
     assert bm.num_free_blocks == 8
+
+
+def test_freed_blocks_that_cache_nothing_are_reused_before_fresh_or_cached_ones() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    assert bm.allocate("a", 10)  # blocks 0, 1 full (cached below), 2 partial
+    bm.cache_blocks("a", compute_block_hashes(list(range(10)), BS))
+    bm.free("a")
+    # the partial block's pages are written: next; never-used blocks; the cache's, tail first
+    assert free_order(bm) == [2, 3, 4, 5, 6, 7, 1, 0]
+    assert bm.allocate("b", 4)
+    assert bm.block_table("b") == [2]
+    assert len(bm.lookup(compute_block_hashes(list(range(8)), BS))) == 2  # still cached
+    bm.check_integrity()
 
 
 def test_allocate_grows_table_for_decode() -> None:
@@ -464,8 +477,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.free(req_id)
         del self.tokens[req_id]
         released = [b for b in reversed(table) if self.bm.blocks[b].ref_count == 0]
-        if released:
-            assert free_order(self.bm)[-len(released) :] == released
+        cached = [b for b in released if self.bm.blocks[b].hash is not None]
+        written = [b for b in released if self.bm.blocks[b].hash is None]
+        order = free_order(self.bm)
+        if cached:  # at the end, the table's tail first
+            assert order[-len(cached) :] == cached
+        assert order[: len(written)] == written[::-1]  # at the front, each before the last
         assert self.bm.block_table(req_id) == []
 
     @rule()

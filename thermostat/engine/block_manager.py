@@ -72,7 +72,10 @@ class BlockManager:
     Invariants (checked by :meth:`check_integrity`):
     - ``ref_count`` of a block == number of request tables that contain it (at most once each);
     - placeholders form a prefix of a table;
-    - the free queue holds exactly the blocks with ``ref_count == 0``, least recently freed first;
+    - the free queue holds exactly the blocks with ``ref_count == 0``: a freed block that caches
+      nothing at the front (handed out next: its memory is already written, where a block never
+      used yet faults its pages in), a cached one at the end (the least recently freed evicted
+      first);
     - ``_hash_to_block[h] == b`` iff ``blocks[b].hash == h`` (a hash names at most one block).
     """
 
@@ -204,8 +207,9 @@ class BlockManager:
     def free(self, req_id: str) -> None:
         """Release the request's blocks; an unknown id is a no-op.
 
-        Blocks reaching ref_count 0 join the end of the free queue in reverse table order, so a
-        sequence's tail is evicted before its head. They stay in the prefix cache until evicted.
+        Blocks reaching ref_count 0 join the free queue in reverse table order: cached ones at
+        its end, so a sequence's tail is evicted before its head (they stay in the prefix cache
+        until evicted), the others at its front.
         """
         self._unref(reversed(self._tables.pop(req_id, [])))
 
@@ -228,6 +232,8 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[b] = None
+                if block.hash is None:
+                    self._free.move_to_end(b, last=False)
 
     def cache_blocks(self, req_id: str, block_hashes: list[bytes], start: int = 0) -> None:
         """Register the request's blocks at positions [start, len(block_hashes)) in the prefix

@@ -149,10 +149,13 @@ def paged_attention(
     nd = meta.num_decodes
     if not meta.prefills:
         return cache.decode_attention(q[:nd], layer, meta, scale)  # a pure decode batch
+    in_place = meta.sliding_window is None and cache.attends_prefills(q.shape[1])
+    if in_place and not nd and len(meta.prefills) == 1:  # one chunk, all the rows
+        return cache.prefill_attention(q, layer, meta.prefills[0], scale)
     out = torch.empty_like(q)
     if nd:
         out[:nd] = cache.decode_attention(q[:nd], layer, meta, scale)
-    if meta.sliding_window is None and cache.attends_prefills(q.shape[1]):
+    if in_place:
         start = nd
         for segment in meta.prefills:
             end = start + segment.q_len
