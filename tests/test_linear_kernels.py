@@ -79,6 +79,25 @@ def test_linear_vnni_is_batch_invariant(ops):
                     torch.randn(130, 576, generator=g).bfloat16())  # fmt: skip
 
 
+@pytest.mark.parametrize("i,k", [(1536, 576), (48, 33), (208, 100)])  # I: 16 mod 64 and 32 mod 64
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_swiglu_is_linear_then_silu_mul_bit_for_bit(ops, i, k, bias):
+    """The fused op (AMX: the product never written out) gives the two ops' bits, every row
+    count: 32-row slabs, a last slab of 16 rows or fewer, a decode row."""
+    g = torch.Generator().manual_seed(i + k)
+    w = (torch.randn(2 * i, k, generator=g) * 0.05).bfloat16()
+    b = torch.randn(2 * i, generator=g).bfloat16() if bias else None
+    packed = ops.pack_vnni(w)
+    x = (torch.randn(130, k, generator=g) * 4).bfloat16()
+    for rows in (1, 5, 16, 17, 32, 33, 48, 130):
+        want = ops.silu_mul(ops.linear_vnni(x[:rows], packed, 2 * i, b))
+        assert torch.equal(ops.linear_swiglu(x[:rows], packed, i, b), want), rows
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ops.linear_swiglu(x, packed, i - 8, b)
+    with pytest.raises(ValueError, match="does not match"):
+        ops.linear_swiglu(x, packed, i + 64, b)
+
+
 def test_linear_vnni_refuses_bad_input(ops):
     w = ops.pack_vnni(torch.randn(8, 64).bfloat16())
     with pytest.raises(ValueError, match="M >= 1"):

@@ -22,6 +22,7 @@ that make the choice; forward code calls the function chosen:
 | silu_mul               | layers.MLP.__init__,           | intermediate_size % 16 == 0            |
 |                        | moe.Experts.__init__           | moe_intermediate_size % 16 == 0        |
 | pack_vnni, linear_vnni | linear.PackedLinear.__init__   | bf16 (every batch size)                |
+| linear_swiglu          | layers.MLP.forward             | a packed bf16 gate/up and silu_mul     |
 | linear_quant           | linear.QuantLinear (quant.py)  | int8 / int4 weights (every batch size) |
 | quant_rows             | linear.QuantEmbedding          | int8 / int4 embeddings                 |
 | write_kv               | kv_cache.PagedKVCache.__init__ | key/value in fp8 or the compute dtype  |
@@ -135,6 +136,15 @@ class LinearOps:
         """x [M, K] bf16 (any M >= 1); packed from `pack_vnni` of W [n, K]; bias [n] or None.
         Returns x W^T + bias [M, n] bf16, each row the same bits whatever M is."""
         y: torch.Tensor = self.module.linear_vnni(x, packed, n, bias)
+        return y
+
+    def linear_swiglu(
+        self, x: torch.Tensor, packed: torch.Tensor, i: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """silu(gate) * up [M, i] for x [M, K] bf16 and `packed` from `pack_vnni` of the gate/up
+        weight [2i, K] (gate rows first, i % 16 == 0), bias [2i] or None: the bits of
+        `silu_mul(linear_vnni(x, packed, 2i, bias))`, the product never written out on AMX."""
+        y: torch.Tensor = self.module.linear_swiglu(x, packed, i, bias)
         return y
 
     def uses_amx(self) -> bool:

@@ -693,6 +693,11 @@ void quant_units(const QuantizedActivations& a, int64_t M, const uint8_t* W, int
 
 bool amx_permitted() { return false; }
 
+bool swiglu_rows(const torch::Tensor&, int64_t, const uint16_t*, int64_t, const float*,
+                 c10::BFloat16*, int64_t) {
+  return false;  // no fused SwiGLU: linear_vnni, then silu_mul
+}
+
 #include "torch_ops.h"
 
 }  // namespace

@@ -100,6 +100,14 @@ inline __m256i bf16_bits(__m512 v) {
 }
 
 inline void store16(c10::BFloat16* p, __m512 v) {
+#if defined(__AVX512BF16__)
+  // vcvtneps2bf16 rounds to nearest even too, but flushes subnormals and keeps a NaN's payload:
+  // lanes of those classes (QNaN 0x01, subnormal 0x20, SNaN 0x80) take the exact path
+  if (!_mm512_fpclass_ps_mask(v, 0xA1)) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+    return;
+  }
+#endif
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits(v));
 }
 
@@ -224,12 +232,20 @@ inline void rotate_head(T* v, const T* c, const T* s, int64_t half) {
 
 // ---------------------------------------------------------------- SwiGLU activation
 
-// out[0, 16) = silu(gate) * up, in fp32, rounded once
+// out[0, 16) = silu(gate) * up, in fp32, rounded once: exp(-gate) = 2^t as prefill attention's
+// weights take it (2^f on [0, 1) by a degree-4 polynomial, relative error 3e-6, times 2^floor t
+// by vscalefps: inf past 2^128, so the sigmoid's 1 / (1 + inf) = 0)
 template <typename T>
 inline void silu_mul_lanes(const T* gate, const T* up, T* out) {
-  const __m512 g = load16(gate), u = load16(up);
-  const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f),
-                                   _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  const __m512 g = load16(gate), u = load16(up), one = _mm512_set1_ps(1.0f);
+  const __m512 t = _mm512_mul_ps(g, _mm512_set1_ps(-1.44269504088896341f));  // exp(-g) = 2^t
+  const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_set1_ps(1.342668477e-02f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.224247277e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.412801981e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.930448413e-01f));
+  p = _mm512_fmadd_ps(p, f, one);
+  const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, _mm512_scalef_ps(p, t)));
   store16(out, _mm512_mul_ps(_mm512_mul_ps(g, sig), u));
 }
 
@@ -623,6 +639,7 @@ template <typename T>
 inline void store_outputs(T* y, int64_t N, int64_t n0, __m512 v) {
   const int64_t left = N - n0;
   if (left <= 0) return;
+  if (left >= 16) return store16(y + n0, v);
   alignas(64) T tmp[16];
   store16(tmp, v);
   std::memcpy(y + n0, tmp, sizeof(T) * std::min<int64_t>(left, 16));
@@ -837,10 +854,10 @@ inline void amx_quad(const uint16_t* x, int64_t Kp, const uint16_t* W, int64_t K
   }
 }
 
-// Rows [0, 32) of x (padded) against two 16-column blocks: C tiles 0-3, A tiles 4-5, B 6-7.
-inline void amx_pair(const uint16_t* x, int64_t Kp, const uint16_t* W, int64_t KS, int64_t pr) {
-  const uint16_t* B0 = W + (2 * pr) * KS * kTile;
-  const uint16_t* B1 = W + (2 * pr + 1) * KS * kTile;
+// Rows [0, 32) of x (padded) against the 16-column blocks B0, B1: C tiles 0-3 (rows 16 (t / 2),
+// block t % 2), A tiles 4-5, B 6-7.
+inline void amx_pair_blocks(const uint16_t* x, int64_t Kp, const uint16_t* B0, const uint16_t* B1,
+                            int64_t KS) {
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
   for (int64_t ks = 0; ks < KS; ++ks) {
     prefetch_tile(B0 + ks * kTile);
@@ -854,6 +871,10 @@ inline void amx_pair(const uint16_t* x, int64_t Kp, const uint16_t* W, int64_t K
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
   }
+}
+
+inline void amx_pair(const uint16_t* x, int64_t Kp, const uint16_t* W, int64_t KS, int64_t pr) {
+  amx_pair_blocks(x, Kp, W + (2 * pr) * KS * kTile, W + (2 * pr + 1) * KS * kTile, KS);
 }
 
 inline void store_c_tile(int t, float* buf) {
@@ -910,11 +931,53 @@ void linear_amx(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, int
     _tile_release();
   });
 }
+
+// silu(gate) * up [M, I] from the gate/up weight [2I, K] (gate rows first, I % 16 == 0): each unit
+// is a gate block and its up block over a 32-row slab, and its epilogue rounds both to bf16 as
+// linear_amx writes them, then silu_mul_lanes on those: linear_vnni and silu_mul's bits, without
+// the [M, 2I] product going through memory. Chunks and slabs as linear_amx's.
+void swiglu_amx(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, int64_t I,
+                int64_t KS, const float* bias, c10::BFloat16* out) {
+  const int64_t slabs = (M + kAmxRows - 1) / kAmxRows, units = I / 16;
+  const int64_t chunk = std::max<int64_t>(1, kAmxChunkBytes / (64 * Kp));
+  parallel_pieces(slabs * units, 8, [&](int64_t b, int64_t e) {
+    TileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = 64;
+    }
+    load_tile_config(cfg);
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t c0 = i / (slabs * chunk) * chunk, width = std::min(chunk, units - c0);
+      const int64_t at = i - c0 * slabs, slab = at / width, unit = c0 + at % width;
+      const int64_t m0 = slab * kAmxRows;
+      amx_pair_blocks(x + m0 * Kp, Kp, W + unit * KS * kTile, W + (units + unit) * KS * kTile, KS);
+      const __m512 bg = bias ? _mm512_loadu_ps(bias + unit * 16) : _mm512_setzero_ps();
+      const __m512 bu = bias ? _mm512_loadu_ps(bias + I + unit * 16) : _mm512_setzero_ps();
+      for (int half = 0; half < 2 && m0 + 16 * half < M; ++half) {
+        alignas(64) float gate[16 * 16], up[16 * 16];
+        store_c_tile(2 * half, gate);
+        store_c_tile(2 * half + 1, up);
+        for (int64_t r = 0, m = m0 + 16 * half; r < 16 && m < M; ++r, ++m) {
+          alignas(64) c10::BFloat16 g[16], u[16];
+          store16(g, _mm512_add_ps(_mm512_load_ps(gate + r * 16), bg));
+          store16(u, _mm512_add_ps(_mm512_load_ps(up + r * 16), bu));
+          silu_mul_lanes(g, u, out + m * I + unit * 16);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
 #else
 bool amx_permitted() { return false; }
 void linear_amx(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, const float*,
                 c10::BFloat16*, int64_t) {
   TORCH_CHECK(false, "linear_vnni: built without AMX");
+}
+void swiglu_amx(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, const float*,
+                c10::BFloat16*) {
+  TORCH_CHECK(false, "linear_swiglu: built without AMX");
 }
 #endif
 
@@ -931,6 +994,18 @@ void linear_vnni_rows(const torch::Tensor& x, int64_t Kp, const uint16_t* wp, in
     linear_dpbf16(reinterpret_cast<const uint16_t*>(xpad.data_ptr<c10::BFloat16>()), M, Kp, wp,
                   NB, KS, bp, yp, N);
   }
+}
+
+// linear_swiglu's fused arithmetic where it has one (AMX): false where the caller runs
+// linear_vnni, then silu_mul.
+bool swiglu_rows(const torch::Tensor& x, int64_t Kp, const uint16_t* wp, int64_t KS,
+                 const float* bp, c10::BFloat16* out, int64_t I) {
+  if (!amx_permitted()) return false;
+  const int64_t M = x.size(0);
+  auto xpad = pad_rows(x, (M + kAmxRows - 1) / kAmxRows * kAmxRows, Kp);
+  swiglu_amx(reinterpret_cast<const uint16_t*>(xpad.data_ptr<c10::BFloat16>()), M, Kp, wp, I, KS,
+             bp, out);
+  return true;
 }
 
 #include "prefill_attention.h"

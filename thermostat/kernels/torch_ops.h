@@ -10,6 +10,7 @@
 //   AttentionScratch, attend_chunk,     decode attention by items of common.h's plan
 //   merge_chunks
 //   linear_vnni_rows                    a bf16 linear over checked, contiguous rows
+//   swiglu_rows                         SwiGLU fused into its gate/up linear (false: none here)
 //   quantize_blocks, quant_units<BITS>  an int8 / 4-bit linear's activations, its 32-output units
 //   amx_permitted                       whether linear_vnni runs on AMX here
 
@@ -165,6 +166,27 @@ torch::Tensor linear_vnni(torch::Tensor x, torch::Tensor packed, int64_t N,
   return y;
 }
 
+// silu(gate) * up [M, I] for x [M, K] and the gate/up weight [2I, K] (gate rows first) packed by
+// pack_vnni, bias [2I] or none: linear_vnni then silu_mul, the same bits, in one pass where the
+// build fuses them (swiglu_rows).
+torch::Tensor linear_swiglu(torch::Tensor x, torch::Tensor packed, int64_t I,
+                            c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK_VALUE(I >= 16 && I % 16 == 0, "linear_swiglu: I must be a positive multiple of 16");
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1,
+                    "linear_swiglu: x must be [M, K] bfloat16, M >= 1");
+  check_vnni_packed(packed);
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KS = packed.size(1);
+  const int64_t Kp = KS * 32;
+  TORCH_CHECK_VALUE(K <= Kp && K > Kp - 32 && 2 * I <= NB * 16 && 2 * I > NB * 16 - 64,
+                    "linear_swiglu: x or I does not match the packed weight");
+  const torch::Tensor bias_f = float_bias(bias, 2 * I, NB * 16, "linear_swiglu");
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  auto out = torch::empty({M, I}, x.options());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  if (swiglu_rows(x.contiguous(), Kp, wp, KS, bp, out.data_ptr<c10::BFloat16>(), I)) return out;
+  return silu_mul(linear_vnni(x, packed, 2 * I, bias));
+}
+
 template <int BITS, typename T>
 void linear_quant_impl(const torch::Tensor& x, const torch::Tensor& packed, const float* bias,
                        torch::Tensor& y, int64_t N) {
@@ -219,6 +241,8 @@ void def_ops(py::module_& m) {
         nogil);
   m.def("pack_vnni", &pack_vnni, "bf16 weight [N, K] -> the layout linear_vnni reads", nogil);
   m.def("linear_vnni", &linear_vnni, "x W^T + b for bf16 rows, the same bits per row at any M",
+        nogil);
+  m.def("linear_swiglu", &linear_swiglu, "silu(x W_gate^T) * (x W_up^T): linear_vnni, silu_mul",
         nogil);
   m.def("quant_rows", &quant_rows, "rows of an int8 / 4-bit packed weight, dequantized", nogil);
   m.def("grid_steps", &grid_steps, "the integer grid step of each block of 32 (0: none)", nogil);

@@ -88,9 +88,21 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self._act = gated_activation(intermediate_size, limit, ops, act)
+        # the compiled SiLU: fused into a packed gate/up linear (the table in thermostat.kernels)
+        self._swiglu = ops if ops is not None and self._act == ops.silu_mul else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = self.down_proj(self._act(self.gate_up_proj(x)))
+        gate_up: nn.Module = self.gate_up_proj
+        if (
+            self._swiglu is not None
+            and isinstance(gate_up, PackedLinear)
+            and gate_up.ops is not None
+            and x.dim() == 2
+        ):  # the same bits, the [T, 2I] product not written out
+            act = self._swiglu.linear_swiglu(x, gate_up.packed, self.intermediate, gate_up.bias)
+        else:
+            act = self._act(gate_up(x))
+        y: torch.Tensor = self.down_proj(act)
         return y
 
 
