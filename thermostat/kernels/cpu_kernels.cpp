@@ -897,25 +897,40 @@ inline void write_c_tile(int t, int64_t M, int64_t m0, int64_t N, int64_t n0, co
   }
 }
 
-// x padded to a multiple of 32 rows; slabs of 32 rows (16 when the slab has no more). Units of
-// 32 columns go by in chunks of about kAmxChunkBytes of weights, every slab through a chunk before
-// the next: a chunk stays in L2 while the slabs pass (all of W per slab does not, at 1.5 MB and
-// up), each weight read from memory once a call.
+// Every tile 16 rows x 64 bytes, the one shape the bf16 tile code here uses (_tile_release after).
+inline void load_full_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  load_tile_config(cfg);
+}
+
+// Item i of `slabs` slabs of kAmxRows rows x `units` column units: units go by in chunks of
+// `chunk`, every slab through a chunk before the next. Sized to about kAmxChunkBytes of weights,
+// a chunk stays in L2 while the slabs pass (all of W per slab does not, at 1.5 MB and up), each
+// weight read from memory once a call.
 constexpr int64_t kAmxChunkBytes = 256 * 1024;
+struct AmxUnit {
+  int64_t slab, unit;
+};
+inline AmxUnit amx_unit(int64_t i, int64_t slabs, int64_t units, int64_t chunk) {
+  const int64_t c0 = i / (slabs * chunk) * chunk, width = std::min(chunk, units - c0);
+  const int64_t at = i - c0 * slabs;
+  return {at / width, c0 + at % width};
+}
+
+// x padded to a multiple of 32 rows; slabs of 32 rows (16 when the slab has no more), units of
+// two 16-column blocks (64 Kp bytes of weights)
 void linear_amx(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, int64_t NB,
                 int64_t KS, const float* bias, c10::BFloat16* y, int64_t N) {
   const int64_t slabs = (M + kAmxRows - 1) / kAmxRows, units = NB / 2;
   const int64_t chunk = std::max<int64_t>(2, kAmxChunkBytes / (64 * Kp)) / 2 * 2;  // even: quads
   parallel_pieces(slabs * units, 8, [&](int64_t b, int64_t e) {
-    TileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = 64;
-    }
-    load_tile_config(cfg);
+    load_full_tiles();
     for (int64_t i = b; i < e; ++i) {
-      const int64_t c0 = i / (slabs * chunk) * chunk, width = std::min(chunk, units - c0);
-      const int64_t at = i - c0 * slabs, slab = at / width, unit = c0 + at % width;
+      const auto [slab, unit] = amx_unit(i, slabs, units, chunk);
       const int64_t m0 = slab * kAmxRows, rows = std::min<int64_t>(kAmxRows, M - m0);
       const uint16_t* xs = x + m0 * Kp;
       c10::BFloat16* ys = y + m0 * N;
@@ -941,15 +956,9 @@ void swiglu_amx(const uint16_t* x, int64_t M, int64_t Kp, const uint16_t* W, int
   const int64_t slabs = (M + kAmxRows - 1) / kAmxRows, units = I / 16;
   const int64_t chunk = std::max<int64_t>(1, kAmxChunkBytes / (64 * Kp));
   parallel_pieces(slabs * units, 8, [&](int64_t b, int64_t e) {
-    TileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = 64;
-    }
-    load_tile_config(cfg);
+    load_full_tiles();
     for (int64_t i = b; i < e; ++i) {
-      const int64_t c0 = i / (slabs * chunk) * chunk, width = std::min(chunk, units - c0);
-      const int64_t at = i - c0 * slabs, slab = at / width, unit = c0 + at % width;
+      const auto [slab, unit] = amx_unit(i, slabs, units, chunk);
       const int64_t m0 = slab * kAmxRows;
       amx_pair_blocks(x + m0 * Kp, Kp, W + unit * KS * kTile, W + (units + unit) * KS * kTile, KS);
       const __m512 bg = bias ? _mm512_loadu_ps(bias + unit * 16) : _mm512_setzero_ps();

@@ -206,12 +206,7 @@ inline void store_products(Scores& sc) {
 // bytes; release_attention_tiles after.
 inline bool attention_tiles() {
   if (!amx_permitted()) return false;
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  load_tile_config(cfg);
+  load_full_tiles();
   return true;
 }
 inline void release_attention_tiles() { _tile_release(); }
