@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from thermostat import LLM, SamplingParams, kernels
-from thermostat.kernels.build import AVX2, FULL, FULL_EMULATED, cpu_flags
+from thermostat.kernels.build import AVX2, FULL, FULL_EMULATED, FULL_NO_AMX, cpu_flags
 from thermostat.random_model import CONFIGS, write_model
 
 __all__ = [
@@ -28,15 +28,22 @@ __all__ = [
 ]
 
 # the kernel builds (thermostat.kernels.build)
-BUILDS = {"avx512": FULL, "avx512-emulated": FULL_EMULATED, "avx2": AVX2}
+BUILDS = {
+    "avx512": FULL,
+    "avx512-emulated": FULL_EMULATED,
+    "avx512-no-amx": FULL_NO_AMX,
+    "avx2": AVX2,
+}
 
 
 def kernel_build(name: str) -> kernels.CpuOps:
     """The kernels of build `name`, or the test skipped where that build cannot run here, or
     where it would only repeat another (avx512-emulated where the CPU lacks AVX512-BF16, so that
-    the avx512 build is emulated already)."""
+    the avx512 build is emulated already; avx512-no-amx where it lacks AMX)."""
     if name == "avx512-emulated" and "avx512_bf16" not in cpu_flags():
         pytest.skip("the avx512 build emulates bf16 dot products here already")
+    if name == "avx512-no-amx" and "amx_tile" not in cpu_flags():
+        pytest.skip("the avx512 build runs without AMX here already")
     built = kernels.build_ops(BUILDS[name])
     if built is None:
         pytest.skip(f"the {name} build does not run here ({kernels.status()})")

@@ -16,7 +16,7 @@ from thermostat.models.kv_cache import PagedKVCache
 from thermostat.models.kv_spec import KVCacheSpec
 
 
-@pytest.fixture(scope="module", params=["avx512", "avx512-emulated"])
+@pytest.fixture(scope="module", params=["avx512", "avx512-emulated", "avx512-no-amx"])
 def ops(request) -> kernels.CpuOps:
     """The AVX-512 build, the one with prefill attention, with its bf16 dot products as the CPU
     runs them and emulated."""

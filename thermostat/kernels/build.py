@@ -73,6 +73,15 @@ FULL_EMULATED = Build(
     "(AVX-512, bf16 dot products emulated)",
     ("-mno-avx512bf16",),
 )
+# FULL without AMX even where the CPU has it, for the tests: so that the machines which have it
+# (Intel Sapphire Rapids on) test the bf16 dot products and VNNI that AMD Zen 4/5 run.
+FULL_NO_AMX = Build(
+    "thermostat_cpu_kernels_no_amx",
+    FULL.source,
+    FULL.cpu_flags,
+    "(AVX-512, no AMX)",
+    ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),
+)
 # The same ops for CPUs with AVX2 but not FULL's instruction sets.
 AVX2 = Build(
     "thermostat_avx2_kernels",
